@@ -1,0 +1,356 @@
+"""Top-level forms evaluated under a selection: the experiment's declarations."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sexpgpu.errors import Loc, SxError, did_you_mean
+from sexpgpu.ir.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
+from sexpgpu.ir.prims import BUILTINS, DTYPE_VALUES
+from sexpgpu.ir.values import Closure, Env, ParamRef, Spec
+from sexpgpu.lang.program import Program, literal_value, split_keywords
+from sexpgpu.lang.select import RUN_KNOBS, Selection
+from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
+from sexpgpu.reader.forms import head_symbol
+
+LOADER_KINDS = {
+    "markov": ("vocab", "seq", "batch", "seed", "branching", "stream", "shuffle", "split"),
+    "copy": ("vocab", "seq", "batch", "stream", "shuffle", "split"),
+    "reverse": ("vocab", "seq", "batch", "stream", "shuffle", "split"),
+    "sort": ("vocab", "seq", "batch", "stream", "shuffle", "split"),
+    "add": ("digits", "seq", "batch", "stream", "shuffle", "split", "vocab"),
+    "tokens": ("dtype", "seq", "batch", "stream", "shuffle", "split", "vocab"),
+    "bytes": ("seq", "batch", "stream", "shuffle", "split"),
+    "arrays": ("fields", "batch", "stream", "shuffle", "split"),
+    "mix": ("batch", "stream", "shuffle"),
+}
+FILE_LOADERS = ("tokens", "bytes", "arrays")
+DIAG_KINDS = ("grad-norm", "param-norm", "update-ratio", "tap")
+REDUCERS = ("mean", "max", "min", "sum", "rms")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderDecl:
+  """A `defloader`: what sexpgpu.data.LoaderSpec is made from."""
+
+  name: str
+  kind: str
+  args: dict
+  base_dir: str
+  location: Loc
+
+
+@dataclasses.dataclass
+class PassDecl:
+  name: str
+  data: str
+  every: int | None
+  batches: int
+  metrics: list[tuple[str, Any]]
+  loc: Loc
+
+
+@dataclasses.dataclass
+class StageDecl:
+  name: str
+  data: str | None
+  when: Form | None
+  sets: list[tuple[str, Any, Loc]]
+  loc: Loc
+
+
+@dataclasses.dataclass
+class DiagDecl:
+  name: str
+  every: int
+  kind: str
+  arg: str | None
+  reduce: str
+  loc: Loc
+
+
+@dataclasses.dataclass
+class Experiment:
+  """One selected experiment, its top level evaluated (no graph built yet).
+
+  Attributes:
+    program, selection: what it was made from.
+    env: the global bindings (functions, defs, knobs).
+    loaders, passes, curriculum, diagnostics: declarations.
+    loss: the run's loss function; data: its loader's name.
+    optimizer: a Spec of kind "optimizer".
+    run: the run knobs' values (steps, microbatches, seed, precision, ...).
+  """
+
+  program: Program
+  selection: Selection
+  env: Env
+  loaders: dict[str, LoaderDecl]
+  passes: dict[str, PassDecl]
+  curriculum: list[StageDecl]
+  diagnostics: dict[str, DiagDecl]
+  loss: Closure
+  data: str
+  optimizer: Spec
+  run: dict[str, Any]
+  run_loc: Loc
+
+  def builder(self, selected_taps=frozenset()) -> Builder:
+    return Builder(self.env, selected_taps)
+
+
+def global_env(knobs: dict[str, Any]) -> Env:
+  env = Env(None, dict(BUILTINS))
+  env.vars.update(DTYPE_VALUES)
+  return Env(env, dict(knobs))
+
+
+def evaluate(program: Program, selection: Selection) -> Experiment:
+  """Evaluates the top-level forms under the selection's knob values.
+
+  Raises:
+    SxError: any E-NAME, E-FORM, E-TYPE, E-RUN or E-CURR found at the top level.
+  """
+  knobs = {k: v.value for k, v in selection.knobs.items()}
+  env = global_env({k: v for k, v in knobs.items() if k in program.knobs})
+  b = Builder(env)
+  loaders: dict[str, LoaderDecl] = {}
+  passes: dict[str, PassDecl] = {}
+  diags: dict[str, DiagDecl] = {}
+  curriculum: list[StageDecl] = []
+  genv = env.vars
+  for form in program.forms:
+    head = head_symbol(form)
+    if head == "defrun":
+      continue
+    if head == "defcurriculum":
+      if curriculum:
+        raise SxError("E-NAME-002", "defcurriculum is defined twice", location=form.loc,
+                      fix="write every stage in one defcurriculum")
+      curriculum = _curriculum(b, form, env, program, selection)
+      continue
+    name = str(form.items[1].value)
+    if head == "def":
+      if len(form.items) != 3:
+        raise SxError("E-FORM-001", "def takes a name and a value", location=form.loc,
+                      fix=f"(def {name} EXPR)")
+      value = b.eval(form.items[2], env)
+      if is_tensor(value):
+        raise SxError("E-TYPE-001", f"def {name} is a tensor: def binds static values only",
+                      location=form.items[2].loc, fix="compute tensors inside a defn")
+      genv[name] = value
+    elif head == "defn":
+      if len(form.items) < 4 or not isinstance(form.items[2], Vector):
+        raise SxError("E-FORM-001", f"defn {name} needs a parameter vector and a body",
+                      location=form.loc, fix=f"(defn {name} [x] BODY)")
+      params, kwparams = parse_params(form.items[2])
+      genv[name] = Closure(name, params, kwparams, form.items[3:], env, form.loc)
+    elif head == "defparam":
+      genv[name] = _defparam(b, form, env)
+    elif head == "defloader":
+      loaders[name] = _loader(b, form, env, program, loaders)
+      genv[name] = loaders[name]
+    elif head == "defpass":
+      passes[name] = _pass(b, form, env, loaders)
+    elif head == "defdiagnostic":
+      diags[name] = _diagnostic(b, form, env)
+  loss, data, optimizer, run, run_loc = _run(b, program, env, selection, loaders)
+  for st in curriculum:
+    if st.data is not None and st.data not in loaders:
+      raise SxError("E-NAME-001", f"stage {st.name}: no loader `{st.data}`", location=st.loc,
+                    fix=did_you_mean(st.data, loaders) or "define it with defloader")
+  return Experiment(program, selection, env, loaders, passes, curriculum, diags, loss, data,
+                    optimizer, run, run_loc)
+
+
+def _defparam(b: Builder, form: List, env: Env) -> ParamRef:
+  name = str(form.items[1].value)
+  if len(form.items) < 3:
+    raise SxError("E-FORM-001", f"defparam {name} needs a shape", location=form.loc,
+                  fix=f"(defparam {name} [vocab width] :init (normal 0.02))")
+  shape = static_shape(b.eval(form.items[2], env), form.items[2])
+  _, kws, _ = split_keywords(form, 3, ("init", "dtype"), "defparam")
+  init = as_init(b.eval(kws["init"], env), kws["init"]) if "init" in kws else as_init(
+      BUILTINS["zeros"], form)
+  dtype = str(b.eval(kws["dtype"], env)) if "dtype" in kws else "f32"
+  return ParamRef(name, shape, init, dtype, form.loc)
+
+
+def _loader(b: Builder, form: List, env: Env, program: Program, known: dict) -> LoaderDecl:
+  name = str(form.items[1].value)
+  if len(form.items) != 3 or not isinstance(form.items[2], List):
+    raise SxError("E-FORM-001", f"defloader {name} takes one (KIND ARGS...) form",
+                  location=form.loc, fix=f"(defloader {name} (markov :vocab 32 :seq 17 :batch 4 :seed 7))")
+  return _loader_spec(b, name, form.items[2], env, program, known)
+
+
+def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
+                 known: dict) -> LoaderDecl:
+  kind = head_symbol(spec)
+  if kind not in LOADER_KINDS:
+    raise SxError("E-FORM-001", f"loader {name}: unknown kind `{kind}`", location=spec.loc,
+                  fix=(did_you_mean(str(kind), LOADER_KINDS) + " " if kind else "")
+                  + "kinds: " + " ".join(LOADER_KINDS))
+  pos, kws, locs = split_keywords(spec, 1, LOADER_KINDS[kind], f"loader kind {kind}")
+  args = {k: _static(b, f, env, f"loader {name} :{k}") for k, f in kws.items()}
+  if kind == "mix":
+    comps = []
+    for p in pos:
+      if not (isinstance(p, List) and len(p.items) == 2):
+        raise SxError("E-FORM-001", "mix takes (WEIGHT LOADER) pairs", location=p.loc,
+                      fix="(mix (0.7 web) (0.3 books))")
+      w = _static(b, p.items[0], env, "a mix weight")
+      sub = p.items[1]
+      if isinstance(sub, Atom) and isinstance(sub.value, Symbol):
+        sub_decl = known.get(str(sub.value))
+        if sub_decl is None:
+          raise SxError("E-NAME-001", f"no loader `{sub.value}`", location=sub.loc,
+                        fix=did_you_mean(str(sub.value), known) or "define it with defloader")
+      else:
+        sub_decl = _loader_spec(b, f"{name}.{len(comps)}", sub, env, program, known)
+      comps.append((float(w), sub_decl))
+    args["components"] = comps
+  elif kind in FILE_LOADERS:
+    if len(pos) != 1:
+      raise SxError("E-FORM-001", f"loader {name}: {kind} takes one file path",
+                    location=spec.loc, fix=f'({kind} "data.bin" ...)')
+    path = _static(b, pos[0], env, "a file path")
+    if not isinstance(path, str) or isinstance(path, Symbol):
+      raise SxError("E-TYPE-001", f"loader {name}: the file is a string", location=pos[0].loc,
+                    fix=f'({kind} "data.bin" ...)')
+    args["path"] = path
+    if "fields" in args:
+      args["fields"] = [str(f) for f in args["fields"]]
+  elif pos:
+    raise SxError("E-FORM-001", f"loader {name}: {kind} takes keyword arguments only",
+                  location=pos[0].loc, fix=f"({kind} :seq 16 :batch 4 ...)")
+  if kind != "mix" and "batch" not in args:
+    raise SxError("E-FORM-001", f"loader {name} needs :batch", location=spec.loc,
+                  fix="add :batch N (records per microbatch)")
+  if "dtype" in args:
+    args["dtype"] = str(args["dtype"])
+  return LoaderDecl(name, str(kind), args, program.base_dir, spec.loc)
+
+
+def _static(b: Builder, form: Form, env: Env, what: str) -> Any:
+  v = b.eval(form, env)
+  if is_tensor(v):
+    raise SxError("E-TYPE-001", f"{what} must be static; found {describe(v)}", location=form.loc,
+                  fix="use a number, string or knob")
+  return v
+
+
+def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
+  name = str(form.items[1].value)
+  _, kws, _ = split_keywords(form, 2, ("data", "every", "batches", "metrics"), "defpass")
+  for req in ("data", "metrics"):
+    if req not in kws:
+      raise SxError("E-FORM-001", f"defpass {name} needs :{req}", location=form.loc,
+                    fix=f"(defpass {name} :data valid :every 10 :batches 4 :metrics [loss])")
+  data = _loader_name(kws["data"], loaders)
+  every = _static(b, kws["every"], env, ":every") if "every" in kws else None
+  batches = _static(b, kws["batches"], env, ":batches") if "batches" in kws else 1
+  if not isinstance(kws["metrics"], Vector):
+    raise SxError("E-FORM-001", ":metrics is a vector of functions", location=kws["metrics"].loc,
+                  fix=":metrics [loss accuracy]")
+  metrics = []
+  for m in kws["metrics"].items:
+    fn = b.eval(m, env)
+    if not isinstance(fn, Closure):
+      raise SxError("E-TYPE-001", f"metric `{m}` is not a function of the batch",
+                    location=m.loc, fix="(defn accuracy [batch] ...)")
+    metrics.append((str(m), fn))
+  return PassDecl(name, data, every, int(batches), metrics, form.loc)
+
+
+def _loader_name(form: Form, loaders: dict) -> str:
+  if not (isinstance(form, Atom) and isinstance(form.value, Symbol)):
+    raise SxError("E-FORM-001", f"`{form}` is not a loader name", location=form.loc,
+                  fix="name a defloader")
+  name = str(form.value)
+  if name not in loaders:
+    raise SxError("E-NAME-001", f"no loader `{name}`", location=form.loc,
+                  fix=did_you_mean(name, loaders) or "define it with defloader before using it")
+  return name
+
+
+def _diagnostic(b: Builder, form: List, env: Env) -> DiagDecl:
+  name = str(form.items[1].value)
+  _, kws, _ = split_keywords(form, 2, ("every", "of", "reduce"), "defdiagnostic")
+  of = kws.get("of")
+  kind = head_symbol(of) if of is not None else None
+  if kind not in DIAG_KINDS:
+    raise SxError("E-FORM-001", f"defdiagnostic {name} needs :of (KIND ...)",
+                  location=(of or form).loc, fix="kinds: (grad-norm [PREFIX]) (param-norm [PREFIX]) "
+                  "(update-ratio [PREFIX]) (tap NAME)")
+  arg = None
+  if len(of.items) > 1:
+    a = of.items[1]
+    arg = str(a.value) if isinstance(a, Atom) else str(a)
+  if kind == "tap" and arg is None:
+    raise SxError("E-FORM-001", "(tap NAME) names the tap", location=of.loc,
+                  fix="(tap attention/entropy)")
+  reduce = str(literal_value(kws["reduce"])) if "reduce" in kws else "mean"
+  if reduce not in REDUCERS:
+    raise SxError("E-FORM-001", f"unknown reducer `{reduce}`", location=kws["reduce"].loc,
+                  fix="reducers: " + " ".join(REDUCERS))
+  every = _static(b, kws["every"], env, ":every") if "every" in kws else 1
+  return DiagDecl(name, int(every), kind, arg, reduce, form.loc)
+
+
+def _curriculum(b: Builder, form: List, env: Env, program: Program, selection: Selection
+                ) -> list[StageDecl]:
+  stages = []
+  for st in form.items[1:]:
+    if head_symbol(st) != "stage" or len(st.items) < 2:
+      raise SxError("E-FORM-001", "defcurriculum holds (stage NAME ...) forms", location=st.loc,
+                    fix="(stage long :data train-long :when (< eval/loss 2.2) :set (lr 1e-3))")
+    name = str(st.items[1])
+    _, kws, _ = split_keywords(st, 2, ("data", "when", "set"), "stage")
+    data = str(kws["data"]) if "data" in kws else None
+    sets = []
+    if "set" in kws:
+      s = kws["set"]
+      pairs = [s] if isinstance(s, List) and s.items and not isinstance(s.items[0], List) else (
+          list(s.items) if isinstance(s, (List, Vector)) else [])
+      for p in pairs:
+        if not (isinstance(p, List) and len(p.items) == 2):
+          raise SxError("E-FORM-001", "a stage's :set is (KNOB VALUE)", location=p.loc,
+                        fix=":set (lr 1e-3)")
+        knob = str(p.items[0])
+        if knob not in selection.knobs:
+          raise SxError("E-KNOB-001", f"stage {name} sets unknown knob `{knob}`",
+                        location=p.items[0].loc, fix=did_you_mean(knob, selection.knobs) or
+                        "declare it with defknob")
+        sets.append((knob, literal_value(p.items[1]), p.loc))
+    if stages and "when" not in kws:
+      raise SxError("E-FORM-001", f"stage {name} needs :when", location=st.loc,
+                    fix=":when (< eval/loss 2.2)")
+    stages.append(StageDecl(name, data, kws.get("when"), sets, st.loc))
+  return stages
+
+
+def _run(b: Builder, program: Program, env: Env, selection: Selection, loaders: dict):
+  form = program.run
+  allowed = ("loss", "data", "optimizer") + tuple(RUN_KNOBS)
+  _, kws, _ = split_keywords(form, 1, allowed, "defrun")
+  for req in ("loss", "data", "optimizer"):
+    if req not in kws:
+      raise SxError("E-RUN-002", f"defrun has no :{req}", location=form.loc,
+                    fix="(defrun :loss loss :data train :steps 100 :optimizer (adamw :lr 1e-3))")
+  loss = b.eval(kws["loss"], env)
+  if not isinstance(loss, Closure):
+    raise SxError("E-RUN-002", ":loss must be a function of the batch", location=kws["loss"].loc,
+                  fix="(defn loss [batch] ...) and :loss loss")
+  data = _loader_name(kws["data"], loaders)
+  optimizer = b.eval(kws["optimizer"], env)
+  if not isinstance(optimizer, Spec) or optimizer.kind != "optimizer":
+    raise SxError("E-RUN-002", ":optimizer must be an optimizer", location=kws["optimizer"].loc,
+                  fix="sgd momentum adam adamw lion adafactor, e.g. (adamw :lr 1e-3)")
+  run = {k: selection.value(k) for k in RUN_KNOBS}
+  run["eval-every"] = selection.value("eval-every")
+  for k, v in run.items():
+    if k in ("precision", "on-nan"):
+      run[k] = str(v)
+  return loss, data, optimizer, run, form.loc

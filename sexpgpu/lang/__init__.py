@@ -1,0 +1,1 @@
+"""Forms to a program: require, declarations, knobs, variants, selection, slug."""

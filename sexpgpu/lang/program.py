@@ -1,0 +1,253 @@
+"""Forms to a program: requires resolved, top-level forms checked and collected."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from sexpgpu.errors import Loc, SxError
+from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector, read_file, read_text
+from sexpgpu.reader.forms import head_symbol
+
+STD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "std")
+
+TOP_FORMS = ("require", "defknob", "defvariant", "def", "defn", "defparam", "defloader",
+             "defpass", "defcurriculum", "defdiagnostic", "defrun")
+
+
+@dataclasses.dataclass
+class KnobDecl:
+  """A `defknob`: name, default, doc and constraints."""
+
+  name: str
+  default: Any
+  doc: str
+  choices: tuple | None
+  min: Any
+  max: Any
+  loc: Loc | None
+
+
+@dataclasses.dataclass
+class Program:
+  """An experiment's forms after `require`, with knobs and variants collected.
+
+  Attributes:
+    path: the experiment file (as given) or a string's name.
+    base_dir: directory that relative loader files are read from.
+    forms: every top-level form except require/defknob/defvariant, in order.
+    knobs: `defknob` declarations by name.
+    variants: name → list of (knob, value form, loc).
+    run: the one `defrun` form.
+    sources: display name → text of every file read (for checkpoints, bundles).
+    files: display name → absolute path of every file read from disk.
+  """
+
+  path: str
+  base_dir: str
+  forms: list[Form]
+  knobs: dict[str, KnobDecl]
+  variants: dict[str, list[tuple[str, Form, Loc]]]
+  run: List
+  sources: dict[str, str]
+  files: dict[str, str]
+
+
+def form_error(form: Form, message: str, fix: str, code: str = "E-FORM-001") -> SxError:
+  return SxError(code, message, location=form.loc, fix=fix)
+
+
+def load_program(path: str) -> Program:
+  """Reads an experiment file and everything it requires.
+
+  Raises:
+    SxError: read errors, E-REQ-001/002, E-FORM-001, E-NAME-002, E-RUN-001.
+  """
+  if not os.path.isfile(path):
+    raise SxError("E-REQ-001", f"experiment file `{path}` not found", where=path,
+                  fix="check the path; it is relative to the current directory")
+  loader = _Loader()
+  forms = loader.load(os.path.abspath(path), path, stack=())
+  return _collect(path, os.path.dirname(os.path.abspath(path)), forms, loader)
+
+
+def load_text(text: str, name: str = "<string>", base_dir: str | None = None) -> Program:
+  """Compiles a string as an experiment (its requires resolve from base_dir)."""
+  loader = _Loader()
+  base = base_dir or os.getcwd()
+  forms = loader.load_forms(read_text(text, name), os.path.join(base, name), name, stack=())
+  loader.sources[name] = text
+  return _collect(name, base, forms, loader)
+
+
+class _Loader:
+  """Resolves `require`s: each file once, cycles refused."""
+
+  def __init__(self):
+    self.done: set[str] = set()
+    self.sources: dict[str, str] = {}
+    self.files: dict[str, str] = {}
+
+  def load(self, abspath: str, display: str, stack: tuple) -> list[Form]:
+    forms = read_file(abspath, display)
+    with open(abspath, encoding="utf-8") as f:
+      self.sources[display] = f.read()
+    self.files[display] = abspath
+    return self.load_forms(forms, abspath, display, stack)
+
+  def load_forms(self, forms: list[Form], abspath: str, display: str, stack: tuple) -> list[Form]:
+    self.done.add(abspath)
+    stack = stack + ((abspath, display),)
+    out: list[Form] = []
+    for form in forms:
+      head = head_symbol(form)
+      if head is None:
+        raise form_error(form, f"`{form}` at top level is not a definition",
+                         "top-level forms are " + ", ".join(TOP_FORMS))
+      if head not in TOP_FORMS:
+        raise form_error(form, f"`{head}` is not a top-level form",
+                         "top-level forms are " + ", ".join(TOP_FORMS))
+      if head == "require":
+        out.extend(self._require(form, abspath, stack))
+      else:
+        out.append(form)
+    return out
+
+  def _require(self, form: List, abspath: str, stack: tuple) -> list[Form]:
+    if len(form.items) != 2:
+      raise form_error(form, "require takes one file", '(require "lib/blocks.sx") or (require std/nn)')
+    arg = form.items[1]
+    if isinstance(arg, Atom) and isinstance(arg.value, Symbol) and arg.value.startswith("std/"):
+      target = os.path.join(STD_DIR, arg.value[4:] + ".sx")
+      display = f"{arg.value}.sx"
+    elif isinstance(arg, Atom) and isinstance(arg.value, str) and not isinstance(arg.value, Symbol):
+      target = os.path.normpath(os.path.join(os.path.dirname(abspath), arg.value))
+      display = os.path.relpath(target) if not os.path.isabs(arg.value) else target
+    else:
+      raise form_error(form, "require takes a string path or std/NAME",
+                       '(require "lib/blocks.sx") or (require std/nn)')
+    if not os.path.isfile(target):
+      raise SxError("E-REQ-001", f"required file `{arg.value}` not found (looked at {target})",
+                    location=arg.loc, fix="paths are relative to the requiring file; "
+                    "the standard library is std/nn, std/lm")
+    chain = [p for p, _ in stack]
+    if target in chain:
+      names = [d for _, d in stack[chain.index(target):]] + [display]
+      raise SxError("E-REQ-002", "requires form a cycle: " + " → ".join(names),
+                    location=form.loc, fix="move the shared definitions into a file both require")
+    if target in self.done:
+      return []
+    return self.load(target, display, stack)
+
+
+def _collect(path: str, base_dir: str, forms: list[Form], loader: _Loader) -> Program:
+  knobs: dict[str, KnobDecl] = {}
+  variants: dict[str, list] = {}
+  rest: list[Form] = []
+  runs: list[List] = []
+  defined: dict[str, Loc] = {}
+  for form in forms:
+    head = head_symbol(form)
+    name_form = form.items[1] if len(form.items) > 1 else None
+    if head in ("defknob", "defvariant", "def", "defn", "defparam", "defloader", "defpass",
+                "defdiagnostic"):
+      if not (isinstance(name_form, Atom) and isinstance(name_form.value, Symbol)):
+        raise form_error(form, f"{head} needs a name", f"({head} NAME ...)")
+      name = str(name_form.value)
+      space = "variant" if head == "defvariant" else "value"
+      key = (space, name)
+      if key in defined:
+        raise SxError("E-NAME-002", f"`{name}` is defined twice (first at {defined[key]})",
+                      location=name_form.loc, fix="rename one of them")
+      defined[key] = name_form.loc
+    if head == "defknob":
+      knobs[name] = _parse_knob(form)
+    elif head == "defvariant":
+      variants[name] = _parse_variant(form)
+    elif head == "defrun":
+      runs.append(form)
+      rest.append(form)
+    else:
+      rest.append(form)
+  if len(runs) != 1:
+    where = runs[1].loc if len(runs) > 1 else None
+    raise SxError("E-RUN-001", "an experiment needs exactly one defrun; found " + str(len(runs)),
+                  location=where, where=None if where else path,
+                  fix="(defrun :loss LOSS :data LOADER :steps N ...)")
+  return Program(path, base_dir, rest, knobs, variants, runs[0], loader.sources, loader.files)
+
+
+def literal_value(form: Form) -> Any:
+  """The value of a literal form (number, string, bool, symbol, vector of those)."""
+  if isinstance(form, Atom):
+    return form.value
+  if isinstance(form, Vector):
+    return tuple(literal_value(i) for i in form.items)
+  raise form_error(form, f"`{form}` is not a literal value",
+                   "write a number, string, true/false or a symbol")
+
+
+def split_keywords(form: List, start: int, allowed: tuple[str, ...] | None, what: str
+                   ) -> tuple[list[Form], dict[str, Form], dict[str, Loc]]:
+  """Splits items[start:] into positional forms and `:key value` pairs.
+
+  Raises:
+    SxError: E-FORM-001 for a keyword without value, E-FORM-002 for an unknown one.
+  """
+  pos: list[Form] = []
+  kws: dict[str, Form] = {}
+  locs: dict[str, Loc] = {}
+  items = form.items[start:]
+  i = 0
+  while i < len(items):
+    it = items[i]
+    if isinstance(it, Atom) and isinstance(it.value, Keyword):
+      key = str(it.value)
+      if i + 1 >= len(items):
+        raise SxError("E-FORM-001", f"keyword :{key} has no value", location=it.loc,
+                      fix=f"write :{key} VALUE")
+      if allowed is not None and key not in allowed:
+        raise SxError("E-FORM-002", f"{what} has no keyword :{key}", location=it.loc,
+                      fix="known keywords: " + " ".join(":" + a for a in allowed))
+      kws[key] = items[i + 1]
+      locs[key] = it.loc
+      i += 2
+    else:
+      if kws:
+        raise SxError("E-FORM-001", f"positional argument `{it}` after keyword arguments",
+                      location=it.loc, fix="put positional arguments before :keywords")
+      pos.append(it)
+      i += 1
+  return pos, kws, locs
+
+
+def _parse_knob(form: List) -> KnobDecl:
+  name = str(form.items[1].value)
+  if len(form.items) < 3:
+    raise form_error(form, f"defknob {name} needs a default value", f"(defknob {name} DEFAULT)")
+  default = literal_value(form.items[2])
+  if isinstance(default, tuple) or default is None:
+    raise form_error(form.items[2], f"knob {name}'s default must be a number, string, boolean "
+                     "or symbol", f"(defknob {name} 0.01)")
+  rest = list(form.items[3:])
+  doc = ""
+  if rest and isinstance(rest[0], Atom) and type(rest[0].value) is str:
+    doc = rest.pop(0).value
+  fake = List(form.loc, (form.items[0],) + tuple(rest))
+  _, kws, _ = split_keywords(fake, 1, ("choices", "min", "max"), "defknob")
+  choices = literal_value(kws["choices"]) if "choices" in kws else None
+  lo = literal_value(kws["min"]) if "min" in kws else None
+  hi = literal_value(kws["max"]) if "max" in kws else None
+  return KnobDecl(name, default, doc, choices, lo, hi, form.loc)
+
+
+def _parse_variant(form: List) -> list[tuple[str, Form, Loc]]:
+  out = []
+  for item in form.items[2:]:
+    if not (isinstance(item, List) and len(item.items) == 2 and isinstance(item.items[0], Atom)
+            and isinstance(item.items[0].value, Symbol)):
+      raise form_error(item, "a variant's settings are (KNOB VALUE) pairs",
+                       "(defvariant smoke (layers 2) (width 128))")
+    out.append((str(item.items[0].value), item.items[1], item.loc))
+  return out

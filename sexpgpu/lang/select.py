@@ -1,0 +1,219 @@
+"""Selection: a variant, `--set` overrides and run overrides bind every knob."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.lang.program import KnobDecl, Program, literal_value, split_keywords
+from sexpgpu.reader import Atom, Keyword, Symbol
+
+# The run's own settings: knobs that always exist, with these defaults unless
+# defrun writes a literal. None means required.
+RUN_KNOBS: dict[str, Any] = {
+    "steps": None, "microbatches": 1, "seed": 0, "precision": Symbol("f32"),
+    "checkpoint-every": 0, "keep": 3, "on-nan": Symbol("stop"),
+}
+RUN_CHOICES = {"precision": ("f32", "bf16"), "on-nan": ("stop", "skip")}
+RUN_MIN = {"steps": 0, "microbatches": 1, "checkpoint-every": 0, "keep": 1}
+# Knobs outside the experiment's identity: a longer resume is the same run.
+NOT_IN_FINGERPRINT = ("steps", "eval-every", "checkpoint-every", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+  """A bound knob: its value and where the value came from."""
+
+  value: Any
+  source: str  # file | variant | set | override
+
+
+@dataclasses.dataclass
+class Selection:
+  """One experiment's knob values, and the run slug they name."""
+
+  knobs: dict[str, Knob]
+  variant: str | None
+  sets: list[tuple[str, Any]]
+  slug: str
+
+  def value(self, name: str) -> Any:
+    return self.knobs[name].value
+
+
+def type_name(v: Any) -> str:
+  if isinstance(v, bool):
+    return "boolean"
+  if isinstance(v, int):
+    return "integer"
+  if isinstance(v, float):
+    return "float"
+  if isinstance(v, Symbol):
+    return "symbol"
+  return "string"
+
+
+def parse_as(text: str, like: Any, name: str, where: str) -> Any:
+  """Parses a `--set` string as the type of `like`.
+
+  Raises:
+    SxError: E-KNOB-002 naming the type.
+  """
+  def bad():
+    return SxError("E-KNOB-002", f"`{text}` is not a {type_name(like)} (knob {name})",
+                   where=where, fix=f"give {name} a {type_name(like)} value, like {format_value(like)}")
+  if isinstance(like, bool):
+    if text in ("true", "false"):
+      return text == "true"
+    raise bad()
+  if isinstance(like, int):
+    try:
+      return int(text.replace("_", ""))
+    except ValueError:
+      raise bad() from None
+  if isinstance(like, float):
+    try:
+      return float(text.replace("_", ""))
+    except ValueError:
+      raise bad() from None
+  if isinstance(like, Symbol):
+    if re.fullmatch(r"[A-Za-z_+*/<>=!?.%-][A-Za-z0-9_+*/<>=!?.%-]*", text):
+      return Symbol(text)
+    raise bad()
+  return text
+
+
+def coerce(value: Any, like: Any, name: str, loc) -> Any:
+  """Checks a variant's literal against the knob's type (int widens to float)."""
+  if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if type_name(value) != type_name(like):
+    raise SxError("E-KNOB-002", f"knob {name} is a {type_name(like)}; "
+                  f"`{format_value(value)}` is a {type_name(value)}", location=loc,
+                  fix=f"give {name} a {type_name(like)} value, like {format_value(like)}")
+  return value
+
+
+def format_value(v: Any) -> str:
+  """A value as written in slugs and `--print knobs`: Python's shortest form."""
+  if isinstance(v, bool):
+    return "true" if v else "false"
+  if v is None:
+    return "-"
+  return repr(v) if isinstance(v, float) else str(v)
+
+
+def _check_range(name: str, value: Any, choices, lo, hi, where=None, loc=None) -> None:
+  def err(msg, fix):
+    return SxError("E-KNOB-003", msg, where=where, location=loc, fix=fix)
+  if choices is not None and value not in choices:
+    raise err(f"knob {name} = {format_value(value)} is not one of its choices",
+              "choose one of " + ", ".join(format_value(c) for c in choices))
+  if lo is not None and value < lo:
+    raise err(f"knob {name} = {format_value(value)} is below its minimum {format_value(lo)}",
+              f"use a value ≥ {format_value(lo)}")
+  if hi is not None and value > hi:
+    raise err(f"knob {name} = {format_value(value)} is above its maximum {format_value(hi)}",
+              f"use a value ≤ {format_value(hi)}")
+
+
+def run_knob_decls(program: Program) -> dict[str, KnobDecl]:
+  """The run's own knobs, their defaults taken from defrun's literals."""
+  _, kws, _ = split_keywords(program.run, 1, None, "defrun")
+  decls = {}
+  for name, default in RUN_KNOBS.items():
+    form = kws.get(name)
+    if form is not None and isinstance(form, Atom) and not isinstance(form.value, Keyword):
+      value = form.value
+      if isinstance(value, Symbol) and name not in RUN_CHOICES:
+        # `:steps steps` names a user knob: resolved against it in select().
+        value = ("ref", str(value))
+    else:
+      value = default
+    decls[name] = KnobDecl(name, value, "", RUN_CHOICES.get(name), RUN_MIN.get(name), None,
+                           form.loc if form is not None else program.run.loc)
+  return decls
+
+
+def select(program: Program, variant: str | None = None, sets: list[tuple[str, str]] = (),
+           overrides: dict[str, int] | None = None, slug_stem: str | None = None) -> Selection:
+  """Binds every knob of `program`.
+
+  Args:
+    variant: the `--variant` name, or None.
+    sets: `--set` pairs (name, text), in command-line order; the last wins.
+    overrides: `--steps`/`--eval-every` values (source "override").
+    slug_stem: SEXPGPU_RUN_SLUG, replacing the file's stem.
+
+  Raises:
+    SxError: E-VARIANT-001, E-KNOB-001/002/003, E-RUN-002 (no steps).
+  """
+  decls = dict(program.knobs)
+  for name, d in run_knob_decls(program).items():
+    if name not in decls:
+      decls[name] = d
+  knobs: dict[str, Knob] = {}
+  for name, d in decls.items():
+    value = d.default
+    if isinstance(value, tuple) and value[:1] == ("ref",):
+      ref = value[1]
+      if ref not in program.knobs:
+        raise SxError("E-NAME-001", f"`{ref}` is not a knob", location=d.loc,
+                      fix=did_you_mean(ref, program.knobs) or "use a number or a defknob name")
+      value = program.knobs[ref].default
+    knobs[name] = Knob(value, "file")
+  if variant is not None:
+    if variant not in program.variants:
+      known = sorted(program.variants)
+      raise SxError("E-VARIANT-001", f"no variant `{variant}`", where="--variant",
+                    fix=(did_you_mean(variant, known) + " " if did_you_mean(variant, known) else "")
+                    + ("defined variants: " + ", ".join(known) if known else
+                       "this experiment defines no variant"))
+    for name, form, loc in program.variants[variant]:
+      if name not in decls:
+        raise SxError("E-KNOB-001", f"variant {variant} sets unknown knob `{name}`",
+                      location=loc, fix=did_you_mean(name, decls) or
+                      "knobs: " + ", ".join(sorted(decls)))
+      like = knobs[name].value
+      value = coerce(literal_value(form), like, name, form.loc)
+      _check_range(name, value, decls[name].choices, decls[name].min, decls[name].max, loc=form.loc)
+      knobs[name] = Knob(value, "variant")
+  set_values: dict[str, Any] = {}
+  for name, text in sets:
+    where = f"--set {name}={text}"
+    if name not in decls:
+      raise SxError("E-KNOB-001", f"unknown knob `{name}`", where=where,
+                    fix=did_you_mean(name, decls) or "knobs: " + ", ".join(sorted(decls)))
+    like = knobs[name].value
+    value = parse_as(text, like, name, where)
+    _check_range(name, value, decls[name].choices, decls[name].min, decls[name].max, where=where)
+    knobs[name] = Knob(value, "set")
+    set_values[name] = value
+  if "eval-every" not in knobs:
+    knobs["eval-every"] = Knob(None, "file")
+  for name, value in (overrides or {}).items():
+    if value is not None:
+      knobs[name] = Knob(value, "override")
+  if knobs["steps"].value is None:
+    raise SxError("E-RUN-002", "defrun has no :steps", location=program.run.loc,
+                  fix="add :steps N to defrun, or pass --steps N")
+  ordered = sorted(set_values.items())
+  slug = make_slug(slug_stem or _stem(program.path), variant, ordered)
+  return Selection(knobs, variant, ordered, slug)
+
+
+def _stem(path: str) -> str:
+  base = os.path.basename(path)
+  for ext in (".sxb", ".sx"):
+    if base.endswith(ext):
+      return base[: -len(ext)]
+  return base
+
+
+def make_slug(stem: str, variant: str | None, sets: list[tuple[str, Any]]) -> str:
+  """stem[-variant][-k=v ...], characters outside [A-Za-z0-9._=-] made `_`."""
+  parts = [stem] + ([variant] if variant else []) + [f"{k}={format_value(v)}" for k, v in sets]
+  return re.sub(r"[^A-Za-z0-9._=-]", "_", "-".join(parts))
