@@ -1,0 +1,129 @@
+"""The `--status` file: one JSON object, replaced atomically, throttled."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import time
+from typing import Any
+
+from sexpgpu.errors import SxError
+from sexpgpu.track.events import to_json
+from sexpgpu.track.targets import ensure_dir, os_reason
+
+# While training, the file is rewritten at most this often (seconds).
+THROTTLE_SECONDS = 1.0
+STATES = ("compiling", "running", "evaluating", "checkpointing", "stopped",
+          "done", "failed")
+_COUNTER = itertools.count()
+
+
+class StatusFile:
+  """The status object and the file it is written to.
+
+  The object's fields (the training loop fills them): slug, pid, state
+  (one of STATES), step, steps, stage, train_loss, last_pass {},
+  counters {}, started_at, updated_at, steps_per_second, eta_seconds,
+  checkpoint {step, location} or None, error {code, message} or None.
+  Every write sets `updated_at` (unix seconds). With no path nothing is
+  written, but the object is still kept.
+  """
+
+  def __init__(self, path: str | None, where: str = "--status"):
+    self.path = path
+    self.where = where
+    self.last: dict[str, Any] = {}
+    self._written_at: float | None = None
+
+  def write(self, status: dict) -> None:
+    """Replaces the status with `status` and writes it.
+
+    Args:
+      status: the whole status object.
+
+    Raises:
+      SxError: E-METRICS-001 when the file cannot be written.
+    """
+    self.last = dict(status)
+    self.last["updated_at"] = time.time()
+    if self.path is None:
+      return
+    try:
+      _replace(self.path, json.dumps(self.last, default=to_json))
+    except OSError as e:
+      raise SxError("E-METRICS-001",
+                    f"cannot write status file {self.path}: {os_reason(e)}",
+                    where=self.where,
+                    fix="give a file path in a directory you can write") from e
+
+  def update(self, **fields) -> None:
+    """Merges `fields` into the last status and writes it.
+
+    Raises:
+      SxError: E-METRICS-001 when the file cannot be written.
+    """
+    self.write({**self.last, **fields})
+
+  def maybe_update(self, now: float, force: bool = False, **fields) -> bool:
+    """Merges `fields`, writing at most once per THROTTLE_SECONDS.
+
+    The fields are kept even when nothing is written, so the next write
+    carries them.
+
+    Args:
+      now: a clock reading in seconds (time.monotonic()); only differences
+        between calls matter.
+      force: write regardless of the throttle (a phase change).
+      **fields: status fields to merge.
+
+    Returns:
+      Whether the file was written.
+
+    Raises:
+      SxError: E-METRICS-001 when the file cannot be written.
+    """
+    due = (self._written_at is None
+           or now - self._written_at >= THROTTLE_SECONDS)
+    if not (force or due):
+      self.last.update(fields)
+      return False
+    self.update(**fields)
+    self._written_at = now
+    return True
+
+
+def read_status(path: str) -> dict:
+  """Reads a status file (the `watch` command's side).
+
+  Args:
+    path: the status file.
+
+  Returns:
+    The status object; always whole, since writers replace the file.
+
+  Raises:
+    FileNotFoundError: when no status has been written yet.
+  """
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _replace(path: str, text: str) -> None:
+  """Writes `text` beside `path`, syncs it, then renames it over `path`."""
+  directory = os.path.dirname(os.path.abspath(path))
+  ensure_dir(directory)
+  temp = os.path.join(directory, f".{os.path.basename(path)}."
+                                  f"{os.getpid()}.{next(_COUNTER)}.tmp")
+  fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(temp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(temp)
+    raise
