@@ -1,0 +1,90 @@
+"""The orbax calls, in one place: a quiet manager, Composite args, restore."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def quiet() -> None:
+  """Keeps orbax's and absl's logging (and fsspec's) off standard error."""
+  for name in ("absl", "orbax", "s3fs", "fsspec", "botocore", "aiobotocore",
+               "urllib3", "gcsfs"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+  try:
+    from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+    absl_logging.set_stderrthreshold("fatal")
+  except ImportError:  # absl is a dependency of orbax; be safe anyway
+    pass
+
+
+quiet()
+import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
+
+
+def manager(root: str, keep: int | None, asynchronous: bool) -> ocp.CheckpointManager:
+  """A CheckpointManager writing `<root>/<step>/{state,meta}` atomically.
+
+  Args:
+    root: a local folder (created if missing).
+    keep: how many newest steps to keep, or None for all.
+    asynchronous: whether `save` returns before the files are written.
+
+  Returns:
+    The manager.
+  """
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+      enable_async_checkpointing=asynchronous)
+  return ocp.CheckpointManager(root, options=options, item_names=("state", "meta"))
+
+
+def save_args(state: Any, meta: dict) -> ocp.args.Composite:
+  """The Composite args for one checkpoint: the state pytree and the meta JSON."""
+  return ocp.args.Composite(state=ocp.args.StandardSave(state),
+                            meta=ocp.args.JsonSave(meta))
+
+
+def abstract(tree: Any) -> Any:
+  """`tree` with every array leaf as a ShapeDtypeStruct (kept if already one)."""
+  def leaf(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    arr = x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+    return jax.ShapeDtypeStruct(tuple(arr.shape), arr.dtype)
+  return jax.tree.map(leaf, tree)
+
+
+def restore(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
+  """Restores state and meta from a complete local step folder."""
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    out = ckptr.restore(step_dir, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract(abstract_state)),
+        meta=ocp.args.JsonRestore()))
+  return out.state, out.meta
+
+
+def restore_meta(step_dir: str) -> dict:
+  """Restores only the meta JSON of a local step folder."""
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    out = ckptr.restore(step_dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+  return out.meta
+
+
+def drop_leftovers() -> None:
+  """Collects what a failed orbax call left behind (unawaited coroutines,
+  closed event loops) now and silently, so no warning reaches standard error."""
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda _: None
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      gc.collect()
+  finally:
+    sys.unraisablehook = hook

@@ -1,0 +1,105 @@
+"""Remote step folders on an fsspec filesystem: upload, commit marker, listing."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+
+from sexpgpu.ckpt.where import COMMIT, LOCAL_DONE, join, strip_scheme
+
+
+def local_files(step_dir: str) -> list[tuple[str, str, int]]:
+  """(absolute path, path relative to step_dir, size) of every file, sorted."""
+  out = []
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir).replace(os.sep, "/")
+      out.append((path, rel, os.path.getsize(path)))
+  return sorted(out, key=lambda f: f[1])
+
+
+def upload(fs, local_step: str, remote_step: str, step: int) -> int:
+  """Uploads a complete local step folder, then writes its COMMIT marker last.
+
+  Any leftover of an earlier, interrupted upload of the same step is removed
+  first (marker first), so the marker only ever vouches for this upload.
+
+  Returns:
+    The bytes uploaded.
+  """
+  key = strip_scheme(remote_step)
+  remove(fs, remote_step)
+  files = local_files(local_step)
+  # orbax's own top-level marker goes after the data, so no partial copy has it.
+  data = [f for f in files if f[1] != LOCAL_DONE]
+  for batch in (data, [f for f in files if f[1] == LOCAL_DONE]):
+    if batch:
+      fs.put([f[0] for f in batch], [f"{key}/{f[1]}" for f in batch])
+  total = sum(f[2] for f in files)
+  marker = {"step": step, "bytes": total, "files": [f[1] for f in files]}
+  fs.pipe_file(f"{key}/{COMMIT}", json.dumps(marker).encode())
+  return total
+
+
+def remove(fs, remote_step: str) -> None:
+  """Deletes a remote step folder: its marker first, so it stops counting at once."""
+  key = strip_scheme(remote_step)
+  fs.invalidate_cache(key)
+  if fs.exists(f"{key}/{COMMIT}"):
+    fs.rm_file(f"{key}/{COMMIT}")
+  if fs.find(key):
+    fs.rm(key, recursive=True)
+  fs.invalidate_cache(key)
+
+
+def steps(fs, run_dir: str) -> tuple[list[int], list[int]]:
+  """(committed steps, uncommitted step folders) under a remote run folder, ascending."""
+  key = strip_scheme(run_dir)
+  fs.invalidate_cache(key)
+  try:
+    paths = fs.find(key)
+  except FileNotFoundError:
+    return [], []
+  seen: set[int] = set()
+  done: set[int] = set()
+  for path in paths:
+    rel = posixpath.relpath(path, key)
+    head, _, rest = rel.partition("/")
+    if head.isdigit() and rest:
+      seen.add(int(head))
+      if rest == COMMIT:
+        done.add(int(head))
+  return sorted(done), sorted(seen - done)
+
+
+def is_committed(fs, remote_step: str) -> bool:
+  """Whether a remote step folder has its COMMIT marker."""
+  key = strip_scheme(remote_step)
+  fs.invalidate_cache(key)
+  return fs.exists(f"{key}/{COMMIT}")
+
+
+def download(fs, remote_step: str, local_dir: str, only: str | None = None) -> None:
+  """Copies a remote step folder (or its `only` subfolder) into local_dir."""
+  key = strip_scheme(remote_step)
+  base = f"{key}/{only}" if only else key
+  fs.invalidate_cache(key)
+  files = [p for p in fs.find(base) if posixpath.basename(p) != COMMIT]
+  if not files:
+    raise FileNotFoundError(remote_step)
+  targets = [os.path.join(local_dir, *posixpath.relpath(p, key).split("/")) for p in files]
+  for target in targets:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+  fs.get(files, targets)
+
+
+def retain(fs, run_dir: str, keep: int) -> None:
+  """Deletes all but the `keep` newest committed steps, and stale uncommitted ones."""
+  done, partial = steps(fs, run_dir)
+  newest = done[-1] if done else None
+  old = done[:-keep] if keep > 0 else []
+  stale = [s for s in partial if newest is not None and s < newest]
+  for step in old + stale:
+    remove(fs, join(run_dir, step))

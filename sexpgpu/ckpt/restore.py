@@ -1,0 +1,163 @@
+"""Reading checkpoints back: --resume resolution, the meta alone, the full state."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from sexpgpu.ckpt import orbax_io, remote
+from sexpgpu.ckpt.store import latest_step_dir, local_steps
+from sexpgpu.ckpt.where import LOCAL_DONE, is_remote, join, reason, remote_fs, scrub
+from sexpgpu.errors import SxError
+
+_FIX = ("pass --resume a complete step folder (such as <location>/<slug>/<step>) "
+        "or --resume latest with --checkpoint-dir")
+
+
+def resolve_resume(value: str, checkpoint_location: str | None,
+                   slug: str) -> tuple[str | None, str]:
+  """Turns a --resume value into a step folder and the config line's text.
+
+  Args:
+    value: "latest", a step folder, or a run folder (local or remote). A run
+      folder (one holding complete step folders) resolves to its newest step.
+    checkpoint_location: the --checkpoint-dir location, or None.
+    slug: the run's slug.
+
+  Returns:
+    (step folder or None, text): for "latest", the text is "latest=<dir>" or
+    "latest=none" (None: start from the beginning); otherwise both are the
+    resolved step folder.
+
+  Raises:
+    SxError: E-CKPT-001 for "latest" without a location; E-CKPT-003 for a
+      folder that is neither a complete step folder nor a run folder with one.
+  """
+  if value == "latest":
+    if not checkpoint_location:
+      raise SxError("E-CKPT-001", "--resume latest needs a checkpoint location, and none "
+                    "was given", where="--resume latest",
+                    fix="pass --checkpoint-dir DIR (or set SEXPGPU_CHECKPOINT_DIR), "
+                    "or --resume a step folder")
+    run_dir = join(_normal(checkpoint_location), slug)
+    found = latest_step_dir(run_dir, "--resume latest")
+    return found, f"latest={scrub(found) if found else 'none'}"
+  step_dir = _step_dir_of(_normal(value))
+  return step_dir, scrub(step_dir)
+
+
+def _normal(location: str) -> str:
+  if is_remote(location):
+    return location.rstrip("/")
+  return os.path.abspath(os.path.expanduser(location))
+
+
+def _step_dir_of(path: str) -> str:
+  """`path` if it is a complete step folder, else a run folder's newest step."""
+  if _is_complete(path, "--resume"):
+    return path
+  newest = latest_step_dir(path, "--resume")
+  if newest is None:
+    raise _unreadable(path, "no complete checkpoint there", where="--resume")
+  return newest
+
+
+def _is_complete(step_dir: str, where: str) -> bool:
+  if not is_remote(step_dir):
+    return os.path.isfile(os.path.join(step_dir, LOCAL_DONE))
+  fs = remote_fs(step_dir, where)
+  try:
+    return remote.is_committed(fs, step_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    raise _unreadable(step_dir, reason(e), where=where) from e
+
+
+def _unreadable(step_dir: str, why: str, where: str | None = None) -> SxError:
+  return SxError("E-CKPT-003", f"cannot read checkpoint {scrub(step_dir)}: {why}",
+                 where=where or scrub(step_dir), fix=_FIX)
+
+
+def read_meta(step_dir: str) -> dict:
+  """The meta dict of a complete step folder, without its arrays.
+
+  Raises:
+    SxError: E-CKPT-003 when missing, incomplete or unreadable.
+  """
+  return _read(step_dir, orbax_io.restore_meta, only="meta")
+
+
+def restore_checkpoint(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
+  """Restores (state, meta) from a complete step folder.
+
+  Args:
+    step_dir: a local or remote step folder.
+    abstract_state: a pytree of jax.ShapeDtypeStruct (or arrays) shaped like
+      the saved state; the result has its pytree types (optax NamedTuples).
+      Leaves come back as jax arrays where jax arrays were saved, numpy
+      arrays otherwise (Python scalars come back as 0-d numpy arrays).
+
+  Returns:
+    (state, meta).
+
+  Raises:
+    SxError: E-CKPT-003 when missing, incomplete, unreadable, or when its
+      structure, shapes or dtypes differ from abstract_state.
+  """
+  state, meta = _read(step_dir, lambda d: orbax_io.restore(d, abstract_state))
+  _check_like(step_dir, state, abstract_state)
+  return state, meta
+
+
+def _read(step_dir: str, reader: Callable[[str], Any], only: str | None = None) -> Any:
+  step_dir = _normal(step_dir)
+  if not _is_complete(step_dir, scrub(step_dir)):
+    why = "no such folder" if _missing(step_dir) else "not a complete checkpoint"
+    raise _unreadable(step_dir, why)
+  if not is_remote(step_dir):
+    return _guarded(step_dir, reader, step_dir)
+  tmp = tempfile.mkdtemp(prefix="sexpgpu-ckpt-restore-")
+  try:
+    try:
+      remote.download(remote_fs(step_dir, step_dir), step_dir, tmp, only=only)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _unreadable(step_dir, reason(e)) from e
+    return _guarded(step_dir, reader, tmp)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _missing(step_dir: str) -> bool:
+  if is_remote(step_dir):
+    return False
+  return not os.path.exists(step_dir)
+
+
+def _guarded(step_dir: str, reader: Callable[[str], Any], local_dir: str) -> Any:
+  try:
+    return reader(local_dir)
+  except SxError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    orbax_io.drop_leftovers()
+    raise _unreadable(step_dir, reason(e)) from e
+
+
+def _check_like(step_dir: str, state: Any, abstract_state: Any) -> None:
+  want = orbax_io.abstract(abstract_state)
+  got_leaves, got_tree = jax.tree.flatten(state)
+  want_leaves, want_tree = jax.tree.flatten(want)
+  if got_tree != want_tree:
+    raise _unreadable(step_dir, "its state's structure differs from this run's")
+  for path_leaf, got, exp in zip(jax.tree_util.tree_flatten_with_path(want)[0],
+                                 got_leaves, want_leaves):
+    if tuple(np.shape(got)) != tuple(exp.shape) or np.dtype(got.dtype) != np.dtype(exp.dtype):
+      name = jax.tree_util.keystr(path_leaf[0])
+      raise _unreadable(step_dir, f"{name} is {got.dtype}{list(np.shape(got))} there, "
+                        f"{exp.dtype}{list(exp.shape)} here")
+
+

@@ -1,0 +1,265 @@
+"""CheckpointStore: a run's checkpoints, saved asynchronously, complete or not at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+from sexpgpu.ckpt import orbax_io, remote
+from sexpgpu.ckpt.where import (LOCAL_DONE, is_remote, join, reason, remote_fs, scrub,
+                                strip_scheme)
+from sexpgpu.errors import SxError
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+  """One completed save: its step, step folder, total bytes and wall seconds."""
+
+  step: int
+  location: str
+  bytes: int
+  seconds: float
+
+
+def local_steps(run_dir: str) -> list[int]:
+  """The complete step folders of a local run folder, ascending.
+
+  A step counts only when its integer-named folder holds orbax's
+  commit_success.txt, which orbax writes before renaming its tmp folder into
+  place, so a save killed at any point never shows up here.
+  """
+  try:
+    names = os.listdir(run_dir)
+  except OSError:
+    return []
+  return sorted(int(n) for n in names
+                if n.isdigit() and os.path.isfile(os.path.join(run_dir, n, LOCAL_DONE)))
+
+
+def latest_step_dir(run_dir: str, where: str) -> str | None:
+  """The newest complete step folder under a run folder (local or remote), or None."""
+  if is_remote(run_dir):
+    fs = remote_fs(run_dir, where)
+    try:
+      done, _ = remote.steps(fs, run_dir)
+    except Exception as e:  # pylint: disable=broad-except
+      raise SxError("E-CKPT-003", f"cannot list checkpoints at {scrub(run_dir)}: {reason(e)}",
+                    where=where, fix="check the location and its credentials") from e
+  else:
+    done = local_steps(run_dir)
+  return join(run_dir, done[-1]) if done else None
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(f[2] for f in remote.local_files(path))
+
+
+class CheckpointStore:
+  """The checkpoints of one run under `<location>/<slug>/<step>/`.
+
+  Locally, orbax writes each step into a tmp folder and renames it into place,
+  so only complete steps exist. On `s3://` and `gs://`, orbax writes into a
+  local staging folder, which is uploaded with fsspec; the step's COMMIT
+  marker goes last, and only steps with a marker count. Saving with
+  `wait=False` returns once the arrays are copied off the device; the rest
+  (writing, uploading, pruning to `keep`) runs in a background thread.
+  """
+
+  def __init__(self, location: str, slug: str, keep: int,
+               where: str = "--checkpoint-dir"):
+    """Opens (without writing) the checkpoint store of run `slug`.
+
+    Args:
+      location: a local folder, `s3://bucket/prefix` or `gs://bucket/prefix`.
+      slug: the run's slug; its checkpoints live in `<location>/<slug>/`.
+      keep: how many newest complete checkpoints to keep (at least 1).
+      where: the flag or variable that gave the location, named in errors.
+    """
+    self.location = location
+    self.slug = slug
+    self.keep = max(1, int(keep))
+    self.where = where
+    self.remote = is_remote(location)
+    if self.remote:
+      self.run_dir = join(location, slug)
+    else:
+      self.run_dir = join(os.path.abspath(os.path.expanduser(location)), slug)
+    self._fs = remote_fs(location, where) if self.remote else None
+    self._staging: str | None = None
+    self._manager = None
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self._failed_step: int | None = None
+    self._last: CheckpointInfo | None = None
+    self._saved: set[int] = set()
+
+  # -- checks -------------------------------------------------------------
+
+  def check_writable(self) -> None:
+    """Writes and deletes a probe file under the run folder.
+
+    Raises:
+      SxError: E-CKPT-004 when the location cannot be written.
+    """
+    probe = f".sexpgpu-probe-{uuid.uuid4().hex}"
+    try:
+      if self.remote:
+        key = join(strip_scheme(self.run_dir), probe)
+        self._fs.pipe_file(key, b"probe")
+        self._fs.rm_file(key)
+      else:
+        os.makedirs(self.run_dir, exist_ok=True)
+        path = os.path.join(self.run_dir, probe)
+        with open(path, "wb") as f:
+          f.write(b"probe")
+        os.remove(path)
+    except Exception as e:  # pylint: disable=broad-except
+      raise SxError("E-CKPT-004", f"cannot write to the checkpoint location "
+                    f"{scrub(self.run_dir)}: {reason(e)}", where=self.where,
+                    fix=self._write_fix()) from e
+
+  def _write_fix(self) -> str:
+    if self.remote:
+      return ("check that the bucket exists, the credentials (AWS_* variables or "
+              "files) allow writing, and AWS_ENDPOINT_URL for S3-compatible stores")
+    return "pass a --checkpoint-dir that is a writable folder"
+
+  # -- saving -------------------------------------------------------------
+
+  def save(self, step: int, state: Any, meta: dict, *, wait: bool) -> None:
+    """Saves `state` and `meta` as step `step`.
+
+    A save first waits for the previous one. With `wait=False` it returns once
+    the arrays are copied off the device; `wait()` blocks until it is durable.
+    Saving a step this store already saved is a no-op; a step folder left by
+    an earlier run at the same step is replaced.
+
+    Args:
+      step: the training step (the folder name).
+      state: a pytree of arrays and scalars.
+      meta: a JSON-able dict.
+      wait: whether to block until the checkpoint is complete.
+
+    Raises:
+      SxError: E-CKPT-004 when this save (or the previous one) cannot be written.
+    """
+    self.wait()
+    step = int(step)
+    if step in self._saved:
+      return
+    started = time.monotonic()
+    manager = self._get_manager()
+    try:
+      if step in manager.all_steps():
+        manager.delete(step)
+      manager.save(step, args=orbax_io.save_args(state, meta), force=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(step, e) from e
+    self._saved.add(step)
+    self._thread = threading.Thread(target=self._finish, args=(step, started),
+                                    name=f"sexpgpu-ckpt-{step}", daemon=True)
+    self._thread.start()
+    if wait:
+      self.wait()
+
+  def _get_manager(self):
+    if self._manager is None:
+      if self.remote:
+        self._staging = tempfile.mkdtemp(prefix="sexpgpu-ckpt-staging-")
+        root, keep = os.path.join(self._staging, self.slug), None
+      else:
+        self.check_writable()  # a clean E-CKPT-004 before orbax tries
+        root, keep = self.run_dir, self.keep
+      try:
+        self._manager = orbax_io.manager(root, keep, asynchronous=True)
+      except Exception as e:  # pylint: disable=broad-except
+        orbax_io.drop_leftovers()
+        raise SxError("E-CKPT-004", f"cannot write to the checkpoint location "
+                      f"{scrub(self.run_dir)}: {reason(e)}", where=self.where,
+                      fix=self._write_fix()) from e
+    return self._manager
+
+  def _finish(self, step: int, started: float) -> None:
+    """Background: waits for orbax, uploads when remote, prunes, records info."""
+    try:
+      self._manager.wait_until_finished()
+      if self.remote:
+        size = self._upload(step)
+      else:
+        size = _dir_bytes(os.path.join(self.run_dir, str(step)))
+      self._last = CheckpointInfo(step, self.step_dir(step), size,
+                                  time.monotonic() - started)
+    except BaseException as e:  # pylint: disable=broad-except
+      self._error, self._failed_step = e, step
+
+  def _upload(self, step: int) -> int:
+    local = os.path.join(self._staging, self.slug, str(step))
+    try:
+      size = remote.upload(self._fs, local, self.step_dir(step), step)
+      remote.retain(self._fs, self.run_dir, self.keep)
+    finally:
+      self._manager.delete(step)
+    return size
+
+  def wait(self) -> CheckpointInfo | None:
+    """Blocks until the in-flight save is durable.
+
+    Returns:
+      The CheckpointInfo of the last completed save, or None if none completed.
+
+    Raises:
+      SxError: E-CKPT-004 when the in-flight save failed; the previous
+        complete checkpoint is untouched.
+    """
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    if self._error is not None:
+      error, step = self._error, self._failed_step
+      self._error = self._failed_step = None
+      self._saved.discard(step)
+      raise self._save_error(step, error) from error
+    return self._last
+
+  def _save_error(self, step: int, error: BaseException) -> SxError:
+    if self._last is not None:
+      intact = f"the previous checkpoint at step {self._last.step} is intact"
+    else:
+      intact = "no earlier checkpoint of this run was written by this process"
+    return SxError("E-CKPT-004", f"cannot write checkpoint {scrub(self.step_dir(step))}: "
+                   f"{reason(error)}", where=self.where, notes=[("previous", intact)],
+                   fix=self._write_fix())
+
+  # -- reading ------------------------------------------------------------
+
+  def step_dir(self, step: int) -> str:
+    """The folder of step `step`: `<run_dir>/<step>`."""
+    return join(self.run_dir, int(step))
+
+  def latest(self) -> str | None:
+    """The newest complete step folder under run_dir, or None."""
+    return latest_step_dir(self.run_dir, self.where)
+
+  def close(self) -> None:
+    """Waits for the in-flight save, then releases orbax and the staging folder."""
+    try:
+      self.wait()
+    finally:
+      if self._manager is not None:
+        self._manager.close()
+        self._manager = None
+      if self._staging:
+        shutil.rmtree(self._staging, ignore_errors=True)
+        self._staging = None
+
+  def __enter__(self) -> "CheckpointStore":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

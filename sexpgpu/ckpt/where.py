@@ -1,0 +1,93 @@
+"""Checkpoint locations: local or fsspec (s3://, gs://), and credential-free text."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from sexpgpu.errors import SxError
+
+REMOTE_SCHEMES = ("s3://", "gs://")
+# The marker written last into a remote step folder: a step counts only with it.
+COMMIT = "COMMIT"
+# What orbax writes just before it renames a local tmp folder into place.
+LOCAL_DONE = "commit_success.txt"
+_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
+                "GOOGLE_APPLICATION_CREDENTIALS")
+_URL_USER = re.compile(r"(//)[^/@\s]+@")
+_SIGNED = re.compile(r"(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s]+", re.I)
+
+
+def is_remote(location: str) -> bool:
+  """True for an `s3://` or `gs://` location."""
+  return location.startswith(REMOTE_SCHEMES)
+
+
+def join(base: str, *parts: Any) -> str:
+  """Joins path parts with `/`, keeping a remote scheme intact."""
+  out = base.rstrip("/") if base not in ("/", "") else base
+  for part in parts:
+    out = f"{out}/{part}" if out not in ("", "/") else f"{out}{part}"
+  return out
+
+
+def scrub(text: str) -> str:
+  """`text` without credentials: env secrets, `user:pass@` and signed-URL keys."""
+  text = _URL_USER.sub(r"\1***@", str(text))
+  text = _SIGNED.sub(r"\1***", text)
+  for var in _SECRET_VARS:
+    value = os.environ.get(var, "")
+    if len(value) >= 4:
+      text = text.replace(value, "***")
+  return text
+
+
+def reason(exc: BaseException) -> str:
+  """A one-line, credential-free account of an exception."""
+  text = " ".join(str(exc).split()) or type(exc).__name__
+  if len(text) > 300:
+    text = text[:300] + "..."
+  return scrub(f"{type(exc).__name__}: {text}")
+
+
+def remote_fs(location: str, where: str):
+  """The fsspec filesystem for a remote location (s3fs honours AWS_ENDPOINT_URL).
+
+  Args:
+    location: an `s3://` or `gs://` URI.
+    where: the flag or place to name in an error.
+
+  Returns:
+    An fsspec filesystem.
+
+  Raises:
+    SxError: E-CKPT-004 when the filesystem's package is missing.
+  """
+  try:
+    if location.startswith("s3://"):
+      return _s3_fs()
+    import gcsfs  # pylint: disable=import-outside-toplevel
+    return gcsfs.GCSFileSystem()
+  except ImportError as e:
+    pkg = "s3fs" if location.startswith("s3://") else "gcsfs"
+    raise SxError("E-CKPT-004", f"cannot open checkpoint location {scrub(location)}: "
+                  f"the package {pkg} is not installed", where=where,
+                  fix=f"pip install {pkg}") from e
+
+
+def _s3_fs():
+  import s3fs  # pylint: disable=import-outside-toplevel
+  endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+  client_kwargs = {"endpoint_url": endpoint} if endpoint else {}
+  fs = s3fs.S3FileSystem(
+      client_kwargs=client_kwargs,
+      config_kwargs={"connect_timeout": 5, "read_timeout": 60,
+                     "retries": {"max_attempts": 2, "mode": "standard"}})
+  fs.retries = 3  # s3fs's own retry loop; the default 5 makes dead servers slow
+  return fs
+
+
+def strip_scheme(uri: str) -> str:
+  """`s3://bucket/key` → `bucket/key`, as fsspec filesystems want it."""
+  return uri.split("://", 1)[1] if "://" in uri else uri
