@@ -1,0 +1,1 @@
+"""IR → JAX: graph interpretation under jit, initializers, optimizers, steps."""

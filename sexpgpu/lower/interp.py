@@ -1,0 +1,72 @@
+"""Evaluates a graph with JAX values: the body of every jitted step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from sexpgpu.ir.graph import Graph, Node, walk
+from sexpgpu.ir.ops import OPS, LowerCtx
+
+
+def run_graph(graph: Graph, params: dict[str, Any], inputs: dict[str, Any], ctx: LowerCtx,
+              taps: dict[str, list] | None = None) -> dict[str, Any]:
+  """The graph's outputs for these parameter and input values.
+
+  Args:
+    params: parameter path → array (stacked for those inside repeats).
+    inputs: batch field → array.
+    ctx: precision, rng and training flag.
+    taps: when given, filled with tap name → values recorded in this call.
+  """
+  env: dict[int, Any] = {}
+  roots = list(graph.outputs.values()) + [n for ns in graph.taps.values() for n in ns]
+  _eval(roots, env, params, inputs, ctx, taps)
+  return {k: env[v.uid] for k, v in graph.outputs.items()}
+
+
+def _eval(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps) -> None:
+  for node in walk(roots):
+    if node.uid in env:
+      continue
+    op = node.op
+    if op == "param":
+      env[node.uid] = params[node.attr("path")]
+    elif op == "input":
+      env[node.uid] = inputs[node.attr("field")]
+    elif op == "repeat":
+      env[node.uid] = _repeat(node, env, params, inputs, ctx, taps)
+    else:
+      args = [env[i.uid] if isinstance(i, Node) else i for i in node.inputs]
+      attrs = {k: v for k, v in node.attrs}
+      value = OPS[op].lower(ctx, *args, **attrs)
+      if op == "tap" and taps is not None:
+        taps.setdefault(attrs["name"], []).append(value)
+      env[node.uid] = value
+
+
+def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps) -> Any:
+  body = node.attr("body")
+  n = node.attr("n")
+  stacked = {p: params[p] for p in body.params}
+  outer_params = {k: v for k, v in params.items() if k not in stacked}
+
+  def step(carry, xs):
+    layer_params, i = xs
+    local = dict(env)
+    local[body.carry.uid] = carry
+    sub = LowerCtx(ctx.precision, None if ctx.rng is None else jax.random.fold_in(ctx.rng, i),
+                   ctx.training, ctx.notes)
+    layer_taps = {} if taps is not None else None
+    _eval([body.output], local, {**outer_params, **layer_params}, inputs, sub, layer_taps)
+    out = local[body.output.uid]
+    return out, layer_taps or {}
+
+  if node.attr("remat"):
+    step = jax.checkpoint(step)
+  out, ys = jax.lax.scan(step, env[node.inputs[0].uid], (stacked, jax.numpy.arange(n)))
+  if taps is not None:
+    for name, vals in ys.items():
+      taps.setdefault(name, []).extend(vals)
+  return out

@@ -1,0 +1,188 @@
+"""The train step (K microbatches, stacked by lax.scan, one update) and the pass step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sexpgpu.ir.graph import Graph
+from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.lower.interp import run_graph
+
+REDUCE = {"mean": jnp.mean, "max": jnp.max, "min": jnp.min, "sum": jnp.sum,
+          "rms": lambda x: jnp.sqrt(jnp.mean(jnp.square(x)))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Diag:
+  """A selected diagnostic as the step computes it."""
+
+  name: str
+  kind: str  # grad-norm | param-norm | update-ratio | tap
+  arg: str | None
+  reduce: str
+
+
+def _norm(tree: dict, prefix: str | None) -> Any:
+  leaves = [v for k, v in tree.items() if prefix is None or k.startswith(prefix)]
+  if not leaves:
+    return jnp.float32(0.0)
+  return jnp.sqrt(sum(jnp.sum(jnp.square(v.astype(jnp.float32))) for v in leaves))
+
+
+def _finite(x):
+  return jnp.all(jnp.isfinite(x))
+
+
+@dataclasses.dataclass
+class TrainStep:
+  """Jitted functions of one train step at a stacking degree.
+
+  `step(state, batches, stop)` runs all K microbatches and the update; with a
+  stacking below K it is made of K/S calls of the stacked gradient graph and
+  one update call, all driven from `step`.
+  """
+
+  graph: Graph
+  optimizer: optax.GradientTransformation
+  schedule: Callable
+  precision: str
+  microbatches: int
+  stacking: int
+  seed: int
+  on_nan: str
+  diags: tuple[Diag, ...] = ()
+
+  def __post_init__(self):
+    self._grads = jax.jit(self._stacked_grads)
+    self._update = jax.jit(self._apply, donate_argnums=(0,))
+    self._fused = jax.jit(self._full_step, donate_argnums=(0,))
+    self._fused_exec = None
+
+  # a microbatch's loss and gradient; dropout's key from (seed, step, microbatch)
+  def _loss_and_grad(self, params, batch, step, index):
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
+    ctx = LowerCtx(self.precision, rng, True)
+
+    def loss_fn(p):
+      taps = {} if any(d.kind == "tap" for d in self.diags) else None
+      out = run_graph(self.graph, p, batch, ctx, taps)["out"]
+      tapped = {}
+      for d in self.diags:
+        if d.kind == "tap":
+          vals = (taps or {}).get(d.arg, [])
+          tapped[d.name] = (REDUCE[d.reduce](jnp.stack([REDUCE[d.reduce](v.astype(jnp.float32))
+                                                       for v in vals]))
+                            if vals else jnp.float32(0.0))
+      return out.astype(jnp.float32), tapped
+
+    (loss, tapped), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    return loss, grads, tapped
+
+  def _stacked_grads(self, params, batches, step, offset):
+    """Sums loss and f32 gradients over the leading (stacked) axis of `batches`."""
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+    def body(acc, xs):
+      batch, i = xs
+      loss, grads, tapped = self._loss_and_grad(params, batch, step, offset + i)
+      acc_loss, acc_grads = acc
+      return (acc_loss + loss, jax.tree_util.tree_map(jnp.add, acc_grads, grads)), (loss, tapped)
+
+    n = jax.tree_util.tree_leaves(batches)[0].shape[0]
+    (loss, grads), (losses, tapped) = jax.lax.scan(body, (jnp.float32(0.0), zeros),
+                                                   (batches, jnp.arange(n)))
+    return loss, grads, losses, tapped
+
+  def _apply(self, state, loss_sum, grad_sum, tapped):
+    k = self.microbatches
+    loss = loss_sum / k
+    grads = jax.tree_util.tree_map(lambda g: g / k, grad_sum)
+    params, opt = state["params"], state["opt"]
+    updates, new_opt = self.optimizer.update(grads, opt, params)
+    new_params = optax.apply_updates(params, updates)
+    ok = _finite(loss) & _finite(optax.global_norm(grads))
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+               "lr": jnp.asarray(self.schedule(state["step"]), jnp.float32), "finite": ok}
+    for d in self.diags:
+      if d.kind == "grad-norm":
+        metrics["diag/" + d.name] = _norm(grads, d.arg)
+      elif d.kind == "param-norm":
+        metrics["diag/" + d.name] = _norm(params, d.arg)
+      elif d.kind == "update-ratio":
+        metrics["diag/" + d.name] = _norm(updates, d.arg) / jnp.maximum(_norm(params, d.arg),
+                                                                        1e-12)
+      else:
+        metrics["diag/" + d.name] = REDUCE[d.reduce](tapped[d.name])
+    new_state = dict(state)
+    new_state["params"] = keep(new_params, params)
+    new_state["opt"] = keep(new_opt, opt)
+    new_state["step"] = state["step"] + 1
+    new_state["skipped"] = state["skipped"] + jnp.where(ok, 0, 1).astype(jnp.int32)
+    return new_state, metrics
+
+  def _full_step(self, state, batches):
+    loss, grads, _, tapped = self._stacked_grads(state["params"], batches, state["step"], 0)
+    return self._apply(state, loss, grads, tapped)
+
+  def __call__(self, state, batches):
+    """One optimizer step over `batches` (leading axis K); returns (state, metrics)."""
+    s, k = self.stacking, self.microbatches
+    if s == k:
+      if self._fused_exec is not None:
+        return self._fused_exec(state, batches)
+      return self._fused(state, batches)
+    loss, grads, tapped = None, None, []
+    for c in range(k // s):
+      chunk = jax.tree_util.tree_map(lambda x: x[c * s:(c + 1) * s], batches)
+      l, g, _, t = self._grads(state["params"], chunk, state["step"], c * s)
+      loss = l if loss is None else loss + l
+      grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
+      tapped.append(t)
+    tap = {n: jnp.concatenate([t[n] for t in tapped]) for n in (tapped[0] if tapped else {})}
+    return self._update(state, loss, grads, tap)
+
+  def compile(self, state, batches):
+    """Compiles the step ahead of time for these (abstract) inputs; returns the executable."""
+    lowered = self.lowered(state, batches)
+    compiled = lowered.compile()
+    if self.stacking == self.microbatches:
+      self._fused_exec = compiled
+    return compiled
+
+  def lowered(self, state, batches):
+    """The fused step lowered for abstract inputs (for memory and cost analysis)."""
+    if self.stacking == self.microbatches:
+      return self._fused.lower(state, batches)
+    chunk = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((self.stacking,) + x.shape[1:], x.dtype), batches)
+    return self._grads.lower(state["params"], chunk, state["step"], 0)
+
+
+class PassStep:
+  """All of a pass's metrics for one batch, in one jitted call (no dropout)."""
+
+  def __init__(self, graphs: dict[str, Graph], precision: str):
+    self.graphs = graphs
+    self.precision = precision
+    self._fn = jax.jit(self._metrics)
+
+  def _metrics(self, params, batch):
+    ctx = LowerCtx(self.precision, None, False)
+    return {name: run_graph(g, params, batch, ctx)["out"].astype(jnp.float32)
+            for name, g in self.graphs.items()}
+
+  def __call__(self, params, batch):
+    return self._fn(params, batch)
+
+
+def init_state(params: dict, optimizer: optax.GradientTransformation) -> dict:
+  """The train state: parameters, optimizer state, step and skipped-step counter."""
+  return {"params": params, "opt": optimizer.init(params), "step": jnp.int32(0),
+          "skipped": jnp.int32(0)}

@@ -1,0 +1,1 @@
+"""Training: the compile pipeline, the loop, passes, curriculum, signals, output lines."""

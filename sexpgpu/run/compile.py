@@ -1,0 +1,192 @@
+"""The compile pipeline: read, select, evaluate, open loaders, build every graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from sexpgpu.data import LoaderSpec, make_loader
+from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.ir.experiment import Experiment, LoaderDecl, evaluate
+from sexpgpu.ir.graph import Graph, Param
+from sexpgpu.ir.ops import dtype_name
+from sexpgpu.ir.printer import fingerprint, print_graph
+from sexpgpu.lang.program import Program, load_program, load_text
+from sexpgpu.lang.select import NOT_IN_FINGERPRINT, Selection, format_value, select
+
+
+def cache_dir() -> str:
+  """SEXPGPU_CACHE_DIR, default ~/.cache/sexpgpu."""
+  return os.environ.get("SEXPGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                             "sexpgpu")
+
+
+def loader_spec(decl: LoaderDecl) -> LoaderSpec:
+  args = dict(decl.args)
+  if "components" in args:
+    args["components"] = [(w, loader_spec(d)) for w, d in args["components"]]
+  return LoaderSpec(decl.name, decl.kind, args, decl.base_dir, decl.location)
+
+
+@dataclasses.dataclass
+class Stage:
+  """A curriculum stage as compiled: its loader, experiment (knobs bound) and loss graph."""
+
+  name: str
+  index: int
+  data: str
+  exp: Experiment
+  graph: Graph
+  when: Any
+
+
+@dataclasses.dataclass
+class Compiled:
+  """Everything built from one selection, before any device work.
+
+  Attributes:
+    exp: the experiment of stage 0.
+    stages: one per curriculum stage (one stage when there is no curriculum).
+    passes: pass name → {metric name → graph}.
+    params: the parameter table, by path.
+    fields: loader name → {field: (dtype, shape)}.
+    fingerprint: hash of the printed IR and the trajectory knobs.
+    graph_fingerprint: hash of the printed IR and record shapes only.
+    graph_seconds: time to read, build and lower to JAX.
+  """
+
+  program: Program
+  selection: Selection
+  exp: Experiment
+  stages: list[Stage]
+  passes: dict[str, dict[str, Graph]]
+  params: dict[str, Param]
+  fields: dict[str, dict[str, tuple[str, tuple[int, ...]]]]
+  loaders: dict[str, Any]
+  fingerprint: str
+  graph_fingerprint: str
+  graph_seconds: float
+  diagnostics: list[str]
+
+  @property
+  def slug(self) -> str:
+    return self.selection.slug
+
+  def ir_text(self) -> str:
+    parts = [print_graph(s.graph) for s in self.stages if s.index == 0 or s.graph is not
+             self.stages[0].graph]
+    for name, graphs in self.passes.items():
+      parts.extend(print_graph(g) for g in graphs.values())
+    return "\n\n".join(parts)
+
+
+def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, str]] = (),
+                 overrides: dict | None = None, diagnostics: str | None = None,
+                 program: Program | None = None) -> Compiled:
+  """Compiles an experiment file (or an already loaded program) for one selection.
+
+  Raises:
+    SxError: any compile error.
+  """
+  t0 = time.perf_counter()
+  program = program or load_program(path)
+  stem = os.environ.get("SEXPGPU_RUN_SLUG") or None
+  selection = select(program, variant, list(sets), overrides, stem)
+  exp = evaluate(program, selection)
+  selected = _select_diagnostics(exp, diagnostics)
+  taps = {exp.diagnostics[d].arg for d in selected if exp.diagnostics[d].kind == "tap"}
+  seed = int(exp.run["seed"])
+  loaders, fields = {}, {}
+  for name, decl in exp.loaders.items():
+    training = name == exp.data or any(s.data == name for s in exp.curriculum)
+    ld = make_loader(loader_spec(decl), seed=seed, cache_dir=cache_dir(),
+                     shuffle_default=training)
+    loaders[name] = ld
+    fields[name] = {f: (dtype_name(dt), tuple(sh)) for f, (sh, dt) in ld.fields.items()}
+  stages = _stages(program, selection, exp, fields, taps)
+  passes = {}
+  builder = stages[0].exp.builder()
+  builder.params = dict(stages[0].graph.params)
+  for pname, p in exp.passes.items():
+    graphs = {}
+    for mname, fn in p.metrics:
+      g, out = builder.build(f"{pname}/{mname}", fn, fields[p.data], allow_new_params=False)
+      _check_scalar(out, f"metric {mname} of pass {pname}", p.loc, builder)
+      graphs[mname] = g
+    passes[pname] = graphs
+  params = dict(stages[0].graph.params)
+  ir = "\n\n".join(print_graph(s.graph, with_locs=False) for s in stages)
+  ir += "".join("\n\n" + print_graph(g, with_locs=False) for gs in passes.values()
+                for g in gs.values())
+  knobs = "\n".join(f"{k}={format_value(v.value)}" for k, v in sorted(selection.knobs.items())
+                    if k not in NOT_IN_FINGERPRINT)
+  shapes = "\n".join(f"{n}:{sorted(f.items())}" for n, f in sorted(fields.items()))
+  return Compiled(program, selection, exp, stages, passes, params, fields, loaders,
+                  fingerprint(ir + "\n" + knobs), fingerprint(ir + "\n" + shapes),
+                  time.perf_counter() - t0, selected)
+
+
+def compile_source(text: str, name: str = "experiment.sx", base_dir: str | None = None,
+                   **kw) -> Compiled:
+  """Compiles a string as an experiment."""
+  return compile_file(name, program=load_text(text, name, base_dir), **kw)
+
+
+def _select_diagnostics(exp: Experiment, diagnostics: str | None) -> list[str]:
+  if not diagnostics:
+    return []
+  names = list(exp.diagnostics) if diagnostics == "all" else [
+      d.strip() for d in diagnostics.split(",") if d.strip()]
+  for n in names:
+    if n not in exp.diagnostics:
+      raise SxError("E-NAME-001", f"no diagnostic `{n}`", where=f"--diagnostics {diagnostics}",
+                    fix=did_you_mean(n, exp.diagnostics) or (
+                        "defined: " + ", ".join(exp.diagnostics) if exp.diagnostics
+                        else "this experiment defines no diagnostic"))
+  return names
+
+
+def _check_scalar(out: Any, what: str, loc, builder) -> None:
+  from sexpgpu.ir.build import describe, is_tensor
+  if not is_tensor(out) or out.shape != () or out.dtype not in ("f32", "bf16", "f16"):
+    raise SxError("E-RUN-002", f"the {what} must return a float scalar; it returned "
+                  f"{describe(out)}", location=loc,
+                  fix="reduce it with (mean ...) or (cross-entropy ...)")
+
+
+def _stages(program, selection, exp, fields, taps) -> list[Stage]:
+  b = exp.builder(taps)
+  graph, out = b.build("loss", exp.loss, fields[exp.data])
+  _check_scalar(out, "loss", exp.run_loc, b)
+  stages = [Stage(exp.curriculum[0].name if exp.curriculum else "main", 0, exp.data, exp, graph,
+                  None)]
+  for i, st in enumerate(exp.curriculum[1:], start=1):
+    sub_exp = exp
+    if st.sets:
+      knobs = dict(selection.knobs)
+      from sexpgpu.lang.select import Knob, coerce
+      for k, v, loc in st.sets:
+        knobs[k] = Knob(coerce(v, knobs[k].value, k, loc), "stage")
+      sub_exp = evaluate(program, dataclasses.replace(selection, knobs=knobs))
+    data = st.data or stages[-1].data
+    sb = sub_exp.builder(taps)
+    g, out = sb.build("loss", sub_exp.loss, fields[data])
+    _check_scalar(out, "loss", sub_exp.run_loc, sb)
+    for path, p in g.params.items():
+      q = graph.params.get(path)
+      if q is None or q.full_shape != p.full_shape:
+        raise SxError("E-CURR-001", f"stage {st.name} changes parameter {path} "
+                      f"({'absent' if q is None else list(q.full_shape)} → {list(p.full_shape)})",
+                      location=st.loc, fix="a stage may change data and knobs that keep every "
+                      "parameter's shape (learning rate, dropout, ...)")
+    missing = set(graph.params) - set(g.params)
+    if missing:
+      path = sorted(missing)[0]
+      raise SxError("E-CURR-001", f"stage {st.name} drops parameter {path}", location=st.loc,
+                    fix="a stage must keep every parameter")
+    stages.append(Stage(st.name, i, data, sub_exp, g, st.when))
+  return stages

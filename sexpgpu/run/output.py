@@ -1,0 +1,73 @@
+"""The fixed-format lines of standard error: configuration, progress, timing, done."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any
+
+
+def err(line: str) -> None:
+  """Writes one line to standard error and flushes it (a host-visible progress point)."""
+  sys.stderr.write(line + "\n")
+  sys.stderr.flush()
+
+
+def config_line(file: str, slug: str, device: str, steps: int, microbatches: int, evals: str,
+                diagnostics: str, precision: str, seed: int, checkpoints: str, resume: str,
+                status: str, ranks: int = 1, nodes: int = 1) -> str:
+  dev = f"device {device}" + (f" ranks {ranks} nodes {nodes}" if ranks > 1 or nodes > 1 else "")
+  return (f"run: {file} slug {slug} {dev} steps {steps} microbatches {microbatches} "
+          f"evals {evals} diagnostics {diagnostics} precision {precision} seed {seed} "
+          f"checkpoints {checkpoints} resume {resume} status {status}")
+
+
+def progress_line(pass_name: str, step: int, steps: int, loss: float | None,
+                  metrics: dict[str, float], records: int, seconds: float) -> str:
+  prefix = "" if pass_name == "eval" else f"{pass_name}: "
+  loss_s = "-" if loss is None else f"{loss:.5f}"
+  parts = " | ".join(f"{k} {v:.5f}" for k, v in metrics.items())
+  return (f"{prefix}step {step}/{steps} loss {loss_s} | {parts} | {records} records | "
+          f"{seconds:.1f}s")
+
+
+def _med_p90(xs: list[float]) -> tuple[float, float]:
+  ys = sorted(xs)
+  p90 = ys[min(len(ys) - 1, int(round(0.9 * (len(ys) - 1))))]
+  return statistics.median(ys), p90
+
+
+def timing_lines(graph_s: float, open_s: float, compiled: int, compile_s: float, hits: int,
+                 step0_s: float, first_pass: dict[str, float], step_times: list[float],
+                 first_step: int, last_step: int, pass_times: dict[str, list[float]],
+                 total_s: float, steps_run: int) -> list[str]:
+  lines = [f"timing graph {graph_s:.3f}s device-open {open_s:.3f}s",
+           f"timing kernels {compiled} compiled in {compile_s:.3f}s, {hits} cache hits"]
+  zero = " ".join(f"{p}-0 {t:.3f}s" for p, t in first_pass.items())
+  lines.append(f"timing step-0 {step0_s:.3f}s" + (f" {zero}" if zero else ""))
+  if step_times:
+    med, p90 = _med_p90(step_times)
+    lines.append(f"timing steps {first_step}..{last_step} median {med:.4f}s p90 {p90:.4f}s")
+  else:
+    lines.append("timing steps - median - p90 -")
+  for p, ts in pass_times.items():
+    if ts:
+      med, p90 = _med_p90(ts)
+      lines.append(f"timing {p} {len(ts)} passes median {med:.4f}s p90 {p90:.4f}s")
+    else:
+      lines.append(f"timing {p} 0 passes median - p90 -")
+  lines.append(f"timing total {total_s:.3f}s over {steps_run} steps")
+  return lines
+
+
+def done_lines(steps: int, train_loss: float | None, evals: dict[str, float],
+               counters: dict[str, int]) -> list[str]:
+  loss = "-" if train_loss is None else f"{train_loss:.4f}"
+  lines = [f"done: {steps} steps, train/loss {loss}"]
+  lines += [f"  {k} {v:.4f}" for k, v in evals.items()]
+  lines += [f"  counter {k} {v}" for k, v in counters.items()]
+  return lines
+
+
+def fmt_float(x: Any) -> float | None:
+  return None if x is None else float(x)

@@ -1,0 +1,321 @@
+"""One training session: init or restore, then step, passes, curriculum, checkpoint."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sexpgpu.errors import SxError
+from sexpgpu.ir.build import Builder
+from sexpgpu.ir.values import Env
+from sexpgpu.lang.select import NOT_IN_FINGERPRINT, format_value
+from sexpgpu.lower.init import init_params
+from sexpgpu.lower.optim import make_optimizer
+from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
+from sexpgpu.run import output
+
+
+def _stack(batches: list[dict]) -> dict:
+  return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+class Session:
+  """The state of one `sexpgpu run` while it trains."""
+
+  def __init__(self, compiled, opts, device, metrics, status, status_base, store, log, counter):
+    self.c = compiled
+    self.o = opts
+    self.device = device
+    self.metrics = metrics
+    self.status = status
+    self.status_base = status_base
+    self.store = store
+    self.log = log
+    self.counter = counter
+    run = compiled.exp.run
+    self.steps = int(run["steps"])
+    self.k = int(run["microbatches"])
+    self.seed = int(run["seed"])
+    self.precision = run["precision"]
+    self.on_nan = run["on-nan"]
+    self.ckpt_every = int(run["checkpoint-every"])
+    self.every_override = run.get("eval-every")
+    self.stacking = opts.stacking or self.k
+    if self.k % self.stacking:
+      raise SxError("E-ENV-001", f"stacking {self.stacking} does not divide the {self.k} "
+                    "microbatches", where="SEXPGPU_STACKING", fix="use a divisor of :microbatches")
+    self.stage = 0
+    self.counters: dict[str, int] = {"records": 0}
+    if any("tokens" in f for f in compiled.fields.values()):
+      self.counters["tokens"] = 0
+    self.last_pass: dict[str, float] = {}
+    self.train_loss: float | None = None
+    self.step_times: list[float] = []
+    self.pass_times: dict[str, list[float]] = {p: [] for p in compiled.passes}
+    self.first_pass: dict[str, float] = {}
+    self.last_ckpt: str | None = None
+    self.diags = tuple(Diag(n, d.kind, d.arg, d.reduce) for n, d in
+                       ((n, compiled.exp.diagnostics[n]) for n in compiled.diagnostics))
+    self._train_steps: dict[int, TrainStep] = {}
+    self._pass_steps = {p: PassStep(gs, self.precision) for p, gs in compiled.passes.items()}
+
+  # --- pieces ----------------------------------------------------------------
+  def train_step(self) -> TrainStep:
+    if self.stage not in self._train_steps:
+      st = self.c.stages[self.stage]
+      opt, sched = make_optimizer(st.exp.optimizer, self.steps)
+      self._train_steps[self.stage] = TrainStep(st.graph, opt, sched, self.precision, self.k,
+                                                self.stacking, self.seed, self.on_nan, self.diags)
+    return self._train_steps[self.stage]
+
+  def pass_every(self, p) -> int | None:
+    return p.every if self.every_override is None else self.every_override
+
+  def run_passes(self, step: int, at_end: bool, resumed_at: int | None) -> bool:
+    ran = False
+    for name, p in self.c.exp.passes.items():
+      every = self.pass_every(p)
+      due = (every and step % every == 0) or at_end
+      if not due or step == resumed_at:
+        continue
+      self.set_status("evaluating", step)
+      t = time.perf_counter()
+      loader = self.c.loaders[p.data]
+      sums: dict[str, Any] = {}
+      for i in range(p.batches):
+        batch = jax.device_put(loader.batch(i), self.device)
+        vals = self._pass_steps[name](self.state["params"], batch)
+        for m, v in vals.items():
+          sums[m] = v if m not in sums else sums[m] + v
+      metrics = {f"{name}/{m}": float(v) / p.batches for m, v in sums.items()}  # host sync
+      dt = time.perf_counter() - t
+      if name in self.first_pass:
+        self.pass_times[name].append(dt)
+      else:
+        self.first_pass[name] = dt
+      self.last_pass.update(metrics)
+      self.metrics.emit("pass", step=step, **{"pass": name, "metrics": metrics, "time/pass": dt})
+      since = 0.0 if self.t_first_step is None else time.perf_counter() - self.t_first_step
+      self.log(output.progress_line(name, step, self.steps, None if step == 0 or
+                                    self.train_loss is None else self.train_loss, metrics,
+                                    self.counters["records"], since))
+      ran = True
+    return ran
+
+  def maybe_advance(self, step: int) -> None:
+    stages = self.c.stages
+    if self.stage + 1 >= len(stages):
+      return
+    nxt = stages[self.stage + 1]
+    env = Env(self.c.exp.env, {k: v for k, v in self.last_pass.items()})
+    try:
+      holds = Builder(env).eval(nxt.when, env)
+    except SxError as e:
+      if e.code == "E-NAME-001":
+        return  # a metric the condition names has not been measured yet
+      raise
+    if holds is not None and holds is not False:
+      self.metrics.emit("stage", step=step, **{"from": self.stage, "to": self.stage + 1,
+                                              "reason": str(nxt.when)})
+      self.stage += 1
+      self.status_base["stage"] = self.stage
+
+  def set_status(self, state: str, step: int, force: bool = True) -> None:
+    now = time.time()
+    sps = None
+    eta = None
+    if self.step_times:
+      sps = 1.0 / max(float(np.median(self.step_times[-20:])), 1e-9)
+      eta = (self.steps - step) / sps
+    fields = dict(self.status_base, state=state, step=step, train_loss=self.train_loss,
+                  last_pass=dict(self.last_pass), counters=dict(self.counters),
+                  steps_per_second=sps, eta_seconds=eta)
+    if force:
+      self.status.write(fields)
+    else:
+      self.status.maybe_update(now, **fields)
+
+  # --- checkpoints ------------------------------------------------------------
+  def meta(self, step: int) -> dict:
+    from sexpgpu.run.loop import _jsonable, _versions
+    c = self.c
+    return {"fingerprint": c.fingerprint, "graph_fingerprint": c.graph_fingerprint,
+            "slug": c.slug, "step": step, "stage": self.stage, "ranks": 1, "nodes": 1,
+            "stacking": self.stacking, "counters": dict(self.counters),
+            "last_pass": dict(self.last_pass), "train_loss": self.train_loss,
+            "loaders": {n: ld.state() for n, ld in c.loaders.items()},
+            "knobs": {k: _jsonable(v.value) for k, v in c.selection.knobs.items()},
+            "versions": _versions(), "sources": dict(c.program.sources)}
+
+  def save(self, step: int, wait: bool) -> None:
+    if self.store is None:
+      return
+    self.set_status("checkpointing", step)
+    self.store.save(step, self.state, self.meta(step), wait=wait)
+    if wait:
+      self._emit_saved()
+
+  def _emit_saved(self) -> None:
+    info = self.store.wait()
+    if info is not None and info.location != self.last_ckpt:
+      self.last_ckpt = info.location
+      self.status_base["checkpoint"] = {"step": info.step, "location": info.location}
+      self.metrics.emit("checkpoint", step=info.step, action="saved", location=info.location,
+                        bytes=info.bytes, seconds=info.seconds)
+
+  def restore(self, step_dir: str) -> int:
+    from sexpgpu.ckpt import read_meta, restore_checkpoint
+    meta = read_meta(step_dir)
+    self._check_same(meta, step_dir)
+    abstract = jax.eval_shape(lambda: self.state)
+    t = time.perf_counter()
+    state, meta = restore_checkpoint(step_dir, abstract)
+    self.state = jax.device_put(state, self.device)
+    self.stage = int(meta["stage"])
+    self.status_base["stage"] = self.stage
+    self.counters = {k: int(v) for k, v in meta["counters"].items()}
+    self.last_pass = dict(meta.get("last_pass") or {})
+    self.train_loss = meta.get("train_loss")
+    self.stacking = int(meta.get("stacking", self.stacking))
+    for n, st in meta["loaders"].items():
+      self.c.loaders[n].set_state(st)
+    self.last_ckpt = step_dir
+    self.status_base["checkpoint"] = {"step": int(meta["step"]), "location": step_dir}
+    self.metrics.emit("checkpoint", step=int(meta["step"]), action="restored", location=step_dir,
+                      bytes=None, seconds=time.perf_counter() - t)
+    return int(meta["step"])
+
+  def _check_same(self, meta: dict, step_dir: str) -> None:
+    if meta.get("ranks", 1) != 1 or meta.get("nodes", 1) != 1:
+      raise SxError("E-DP-002", f"the checkpoint was written by {meta.get('ranks')} ranks on "
+                    f"{meta.get('nodes')} nodes; this run has 1 rank on 1 node", where=step_dir,
+                    fix="resume with the checkpoint's nodes and devices")
+    if meta.get("fingerprint") == self.c.fingerprint:
+      return
+    theirs = meta.get("knobs", {})
+    ours = {k: v.value for k, v in self.c.selection.knobs.items()}
+    diffs = [f"{k} {format_value(theirs.get(k))} → {format_value(ours.get(k))}"
+             for k in sorted(set(theirs) | set(ours)) if k not in NOT_IN_FINGERPRINT
+             and str(theirs.get(k)) != str(ours.get(k))]
+    what = ("knobs differ: " + ", ".join(diffs)) if diffs else "the model's IR differs"
+    raise SxError("E-CKPT-002", f"the checkpoint is of another experiment ({what})",
+                  where=step_dir, fix="resume with the selection that wrote it, or start afresh "
+                  "without --resume")
+
+  # --- the loop -------------------------------------------------------------
+  def train(self, resume_dir: str | None, sig, t_setup: float, open_s: float):
+    from sexpgpu.run.loop import Summary
+    t0 = time.perf_counter()
+    self.t_first_step = None
+    c = self.c
+    st = self.train_step()
+    # The parameters are built abstractly first, so a restore allocates them once.
+    self.state = jax.eval_shape(lambda: init_state(init_params(self.seed, c.params),
+                                                   st.optimizer))
+    start = 0
+    if resume_dir is not None:
+      start = self.restore(resume_dir)
+      st = self.train_step()
+    else:
+      with jax.default_device(self.device):
+        self.state = init_state(init_params(self.seed, c.params), st.optimizer)
+    resumed_at = start if resume_dir is not None else None
+    batches0 = {f: jax.ShapeDtypeStruct((self.k,) + sh, jnp.dtype(_np(dt)))
+                for f, (dt, sh) in c.fields[c.stages[self.stage].data].items()}
+    st.compile(jax.eval_shape(lambda: self.state), batches0)
+    step0_s = time.perf_counter() - t0
+    if self.store is not None and self.store.latest() is None and False:
+      pass
+    self.run_passes(start, start == self.steps, resumed_at)
+    if start == self.steps and resumed_at is None:
+      pass
+    stopped_by = None
+    step = start
+    self.set_status("running", step)
+    while step < self.steps:
+      if sig.received is not None:
+        stopped_by = sig.received
+        break
+      st = self.train_step()
+      loader = c.loaders[c.stages[self.stage].data]
+      mbs = [loader.next() for _ in range(self.k)]
+      batches = jax.device_put(_stack(mbs), self.device)
+      t = time.perf_counter()
+      if self.t_first_step is None:
+        self.t_first_step = t
+      self.state, m = st(self.state, batches)
+      m = jax.device_get(m)  # host sync: the step event needs its numbers
+      dt = time.perf_counter() - t
+      step += 1
+      self.step_times.append(dt)
+      self.counters["records"] += sum(int(b[next(iter(b))].shape[0]) for b in mbs)
+      if "tokens" in self.counters and "tokens" in mbs[0]:
+        self.counters["tokens"] += sum(int(b["tokens"].size) for b in mbs)
+      if not bool(m["finite"]):
+        self.counters["skipped-steps"] = self.counters.get("skipped-steps", 0) + 1
+        if self.on_nan == "stop":
+          self.save(step - 1, wait=True)
+          raise SxError("E-NUM-001", f"the loss is not finite at step {step}", where=c.program.path,
+                        fix="lower the learning rate, add :clip, or set :on-nan skip; the last "
+                        "finite state was checkpointed when a location was given")
+      else:
+        self.train_loss = float(m["loss"])
+      self._step_event(step, m, dt, len(mbs))
+      at_end = step == self.steps
+      self.run_passes(step, at_end, None)
+      if self.c.exp.passes:
+        self.maybe_advance(step)
+      if at_end:
+        break
+      if self.ckpt_every and step % self.ckpt_every == 0:
+        self.save(step, wait=False)
+      self.set_status("running", step, force=False)
+    if self.store is not None:
+      if step == self.steps or stopped_by is not None:
+        if step > start or resume_dir is None:
+          self.save(step, wait=True)
+      self._emit_saved()
+    total = time.perf_counter() - t_setup
+    compiled_n, compile_s, hits = self.counter.snapshot()
+    for line in output.timing_lines(c.graph_seconds, open_s, compiled_n, compile_s, hits, step0_s,
+                                    self.first_pass, self.step_times, start + 1, step,
+                                    self.pass_times, total, step - start):
+      self.log(line)
+    from sexpgpu.run.loop import SIGNALS
+    summary = Summary(step, self.train_loss, {k: v for k, v in self.last_pass.items()},
+                      dict(self.counters), self.stage, self.metrics.summary_path(), self.o.status,
+                      c.slug, SIGNALS.get(stopped_by) if stopped_by else None, self.last_ckpt,
+                      128 + int(stopped_by) if stopped_by else 0)
+    self.set_status("stopped" if stopped_by else "done", step)
+    self.metrics.emit("summary", **{k: v for k, v in summary.as_dict().items() if k != "kind"})
+    self.metrics.close()
+    if not self.o.json:
+      for line in output.done_lines(step, self.train_loss, summary.eval, summary.counters):
+        self.log(line)
+    return summary
+
+  def _step_event(self, step: int, m: dict, dt: float, n_mb: int) -> None:
+    toks = self.counters.get("tokens")
+    tps = None
+    if toks is not None:
+      per_step = self.k * int(np.prod(self.c.fields[self.c.stages[self.stage].data]
+                                      .get("tokens", ("i32", (0,)))[1]))
+      tps = per_step / max(dt, 1e-9)
+    ev = {"train/loss": float(m["loss"]), "train/lr": float(m["lr"]),
+          "train/grad-norm": float(m["grad_norm"]), "time/step": dt,
+          "throughput/tokens-per-second": tps, "throughput/mfu": None,
+          "counters": dict(self.counters)}
+    self.metrics.emit("step", step=step, **ev)
+    for d in self.diags:
+      dd = self.c.exp.diagnostics[d.name]
+      if step % max(dd.every, 1) == 0:
+        self.metrics.emit("diagnostic", step=step, name=d.name, value=float(m["diag/" + d.name]))
+
+
+def _np(dt: str):
+  from sexpgpu.ir.shapes import np_dtype
+  return np_dtype(dt)
