@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from sexpgpu.ckpt import orbax_io, remote
-from sexpgpu.ckpt.store import latest_step_dir, local_steps
+from sexpgpu.ckpt.store import latest_step_dir
 from sexpgpu.ckpt.where import LOCAL_DONE, is_remote, join, reason, remote_fs, scrub
 from sexpgpu.errors import SxError
 

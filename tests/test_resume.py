@@ -1,0 +1,146 @@
+"""Exact resume: stopped by a signal at step k, resumed with --resume latest, bitwise equal."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sexpgpu
+from conftest import ROOT, sexpgpu_cmd
+
+EXP = os.path.join(ROOT, "tests", "data", "curriculum.sx")
+
+
+def _start(tmp, metrics, *extra):
+  return subprocess.Popen(
+      sexpgpu_cmd("run", EXP, "--checkpoint-dir", str(tmp / "ck"), "--metrics",
+                  f"jsonl:{metrics}", "--json", *extra),
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _events(path, kind):
+  return [e for e in (json.loads(line) for line in open(path)) if e["kind"] == kind]
+
+
+def _losses(path):
+  return {e["step"]: e["train/loss"] for e in _events(path, "step")}
+
+
+def _final_state(step_dir):
+  from sexpgpu.ckpt import restore_checkpoint
+  exp = sexpgpu.compile(EXP)
+  st = exp.init()
+  abstract = jax.eval_shape(lambda: {"params": st.params, "opt": st.opt_state,
+                                     "step": jnp.int32(0), "skipped": jnp.int32(0)})
+  state, meta = restore_checkpoint(step_dir, abstract)
+  return state, meta
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("full")
+  p = _start(tmp, tmp / "m.jsonl")
+  out, err = p.communicate(timeout=600)
+  assert p.returncode == 0, err
+  return tmp, json.loads(out)
+
+
+def _stop_at(tmp, k, sig):
+  metrics = tmp / "m.jsonl"
+  p = _start(tmp, metrics)
+  deadline = time.time() + 300
+  while time.time() < deadline:
+    if metrics.exists() and any(e.get("step", 0) >= k for e in _events(metrics, "step")):
+      break
+    if p.poll() is not None:
+      break
+    time.sleep(0.005)
+  p.send_signal(sig)
+  out, err = p.communicate(timeout=300)
+  return p, out, err, metrics
+
+
+@pytest.mark.parametrize("k,sig,code", [(2, signal.SIGTERM, 143), (12, signal.SIGINT, 130),
+                                        (30, signal.SIGHUP, 129)])
+def test_signal_then_resume_is_bitwise(full, tmp_path, k, sig, code):
+  full_tmp, full_summary = full
+  p, out, err, metrics = _stop_at(tmp_path, k, sig)
+  assert p.returncode == code, err
+  stopped = json.loads(out)
+  assert stopped["stopped_by"] == signal.Signals(sig).name
+  assert stopped["checkpoint"] is not None and stopped["steps"] < 60
+  assert "Traceback" not in err
+  r = subprocess.run(sexpgpu_cmd("run", EXP, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics",
+                                 f"jsonl:{metrics}", "--json", "--resume", "latest"),
+                     cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr
+  assert f"resume latest={tmp_path / 'ck'}/curriculum/{stopped['steps']}" in r.stderr
+  resumed = json.loads(r.stdout)
+  for key in ("train_loss", "eval", "counters", "stage"):
+    assert resumed[key] == full_summary[key], key
+  assert _losses(metrics) == _losses(full_tmp / "m.jsonl")
+  assert [e["action"] for e in _events(metrics, "checkpoint")].count("restored") == 1
+  a, _ = _final_state(full_summary["checkpoint"])
+  b, meta = _final_state(resumed["checkpoint"])
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert meta["stage"] == full_summary["stage"] == 1
+
+
+def test_resume_latest_without_location_is_e_ckpt_001(tmp_path):
+  r = subprocess.run(sexpgpu_cmd("run", EXP, "--resume", "latest"), cwd=ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "error[E-CKPT-001]" in r.stderr
+
+
+def test_resume_of_another_experiment_is_e_ckpt_002(full, tmp_path):
+  full_tmp, full_summary = full
+  r = subprocess.run(sexpgpu_cmd("run", EXP, "--set", "lr=0.02", "--resume",
+                                 full_summary["checkpoint"]), cwd=ROOT, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 1 and "error[E-CKPT-002]" in r.stderr, r.stderr
+  assert "lr 0.01 → 0.02" in r.stderr
+
+
+def test_unreadable_checkpoint_is_e_ckpt_003(tmp_path):
+  bad = tmp_path / "curriculum" / "5"
+  bad.mkdir(parents=True)
+  (bad / "garbage").write_text("no checkpoint here")
+  r = subprocess.run(sexpgpu_cmd("run", EXP, "--resume", str(bad)), cwd=ROOT, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 1 and "error[E-CKPT-003]" in r.stderr, r.stderr
+
+
+def test_unwritable_location_is_e_ckpt_004_before_the_first_step(tmp_path):
+  f = tmp_path / "file.txt"
+  f.write_text("x")
+  r = subprocess.run(sexpgpu_cmd("run", EXP, "--checkpoint-dir", str(f / "sub")), cwd=ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "error[E-CKPT-004]" in r.stderr, r.stderr
+  assert "step 0/" not in r.stderr
+
+
+def test_rank_count_differs_is_e_dp_002(full, tmp_path):
+  import shutil
+  full_tmp, full_summary = full
+  src = full_summary["checkpoint"]
+  dst = tmp_path / "curriculum" / "60"
+  shutil.copytree(src, dst)
+  from sexpgpu.ckpt import read_meta
+  meta = read_meta(str(dst))
+  meta_files = [os.path.join(d, f) for d, _, fs in os.walk(dst) for f in fs
+                if json.dumps(meta["fingerprint"]) in open(os.path.join(d, f), "rb").read()
+                .decode("latin-1")]
+  assert meta_files
+  for path in meta_files:
+    text = open(path).read().replace('"ranks": 1', '"ranks": 2').replace('"ranks":1', '"ranks":2')
+    open(path, "w").write(text)
+  r = subprocess.run(sexpgpu_cmd("run", EXP, "--resume", str(dst)), cwd=ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "error[E-DP-002]" in r.stderr, r.stderr
