@@ -24,6 +24,7 @@ class Call:
   kw: dict[str, Any]
   arg_forms: list[Form]
   kw_forms: dict[str, Form]
+  kw_locs: dict[str, Loc] = dataclasses.field(default_factory=dict)  # where each :key is written
 
   @property
   def loc(self) -> Loc:
@@ -135,7 +136,7 @@ class Builder:
 
   def call_form(self, form: List, env: Env) -> Any:
     fn = self.eval(form.items[0], env)
-    args, kw, arg_forms, kw_forms = [], {}, [], {}
+    args, kw, arg_forms, kw_forms, kw_locs = [], {}, [], {}, {}
     items = form.items[1:]
     i = 0
     while i < len(items):
@@ -146,6 +147,7 @@ class Builder:
                         fix=f"write :{it.value} VALUE")
         key = str(it.value)
         kw_forms[key] = items[i + 1]
+        kw_locs[key] = it.loc
         kw[key] = items[i + 1] if key == "as" else self.eval(items[i + 1], env)
         i += 2
       else:
@@ -156,7 +158,7 @@ class Builder:
         arg_forms.append(it)
         i += 1
     name = str(form.items[0]) if isinstance(form.items[0], Atom) else "fn"
-    return self.apply(fn, args, kw, Call(name, form, args, kw, arg_forms, kw_forms))
+    return self.apply(fn, args, kw, Call(name, form, args, kw, arg_forms, kw_forms, kw_locs))
 
   def apply(self, fn: Any, args: list, kw: dict, call: Call | None, open_scope: bool = True) -> Any:
     """Calls a closure or builtin with evaluated arguments."""
@@ -206,7 +208,7 @@ class Builder:
     known = dict(fn.kwparams)
     for k in kw:
       if k not in known:
-        loc = call.kw_forms[k].loc if call and k in call.kw_forms else where
+        loc = call.kw_locs.get(k, where) if call else where
         raise SxError("E-FORM-002", f"{fn.name or 'fn'} has no keyword :{k}", location=loc,
                       fix="known keywords: " + (" ".join(":" + n for n in known) or "none"))
     env = Env(fn.env)

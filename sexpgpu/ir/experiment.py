@@ -193,7 +193,8 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
                   fix=(did_you_mean(str(kind), LOADER_KINDS) + " " if kind else "")
                   + "kinds: " + " ".join(LOADER_KINDS))
   pos, kws, locs = split_keywords(spec, 1, LOADER_KINDS[kind], f"loader kind {kind}")
-  args = {k: _static(b, f, env, f"loader {name} :{k}") for k, f in kws.items()}
+  args = {k: (_field_names(f) if k == "fields" else _static(b, f, env, f"loader {name} :{k}"))
+          for k, f in kws.items()}
   if kind == "mix":
     comps = []
     for p in pos:
@@ -233,11 +234,28 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
   return LoaderDecl(name, str(kind), args, program.base_dir, spec.loc)
 
 
+def _field_names(form: Form) -> list[str]:
+  """`:fields [x y]` names fields: the symbols are names, not variables."""
+  if isinstance(form, Vector) and all(isinstance(i, Atom) and isinstance(i.value, (str, Keyword))
+                                      for i in form.items):
+    return [str(i.value) for i in form.items]
+  raise SxError("E-FORM-001", ":fields is a vector of field names", location=form.loc,
+                fix=":fields [x y]")
+
+
 def _static(b: Builder, form: Form, env: Env, what: str) -> Any:
   v = b.eval(form, env)
   if is_tensor(v):
     raise SxError("E-TYPE-001", f"{what} must be static; found {describe(v)}", location=form.loc,
                   fix="use a number, string or knob")
+  return v
+
+
+def _static_int(b: Builder, form: Form, env: Env, what: str, lo: int) -> int:
+  v = _static(b, form, env, what)
+  if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    raise SxError("E-TYPE-001", f"{what} must be an integer ≥ {lo}; found {describe(v)}",
+                  location=form.loc, fix=f"{what} 10")
   return v
 
 
@@ -249,8 +267,8 @@ def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
       raise SxError("E-FORM-001", f"defpass {name} needs :{req}", location=form.loc,
                     fix=f"(defpass {name} :data valid :every 10 :batches 4 :metrics [loss])")
   data = _loader_name(kws["data"], loaders)
-  every = _static(b, kws["every"], env, ":every") if "every" in kws else None
-  batches = _static(b, kws["batches"], env, ":batches") if "batches" in kws else 1
+  every = _static_int(b, kws["every"], env, ":every", 0) if "every" in kws else None
+  batches = _static_int(b, kws["batches"], env, ":batches", 1) if "batches" in kws else 1
   if not isinstance(kws["metrics"], Vector):
     raise SxError("E-FORM-001", ":metrics is a vector of functions", location=kws["metrics"].loc,
                   fix=":metrics [loss accuracy]")
@@ -295,7 +313,7 @@ def _diagnostic(b: Builder, form: List, env: Env) -> DiagDecl:
   if reduce not in REDUCERS:
     raise SxError("E-FORM-001", f"unknown reducer `{reduce}`", location=kws["reduce"].loc,
                   fix="reducers: " + " ".join(REDUCERS))
-  every = _static(b, kws["every"], env, ":every") if "every" in kws else 1
+  every = _static_int(b, kws["every"], env, ":every", 1) if "every" in kws else 1
   return DiagDecl(name, int(every), kind, arg, reduce, form.loc)
 
 

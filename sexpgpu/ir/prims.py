@@ -34,7 +34,7 @@ def _kw(call: Call, allowed: tuple[str, ...]) -> dict:
   for k in call.kw:
     if k not in allowed:
       raise SxError("E-FORM-002", f"{call.name} has no keyword :{k}",
-                    location=call.kw_forms[k].loc,
+                    location=call.kw_locs.get(k) or call.kw_forms[k].loc,
                     fix="known keywords: " + (" ".join(":" + a for a in allowed) or "none"))
   return call.kw
 

@@ -112,6 +112,12 @@ def _check_range(name: str, value: Any, choices, lo, hi, where=None, loc=None) -
   if choices is not None and value not in choices:
     raise err(f"knob {name} = {format_value(value)} is not one of its choices",
               "choose one of " + ", ".join(format_value(c) for c in choices))
+  def number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+  for bound, what in ((lo, ":min"), (hi, ":max")):
+    if bound is not None and not (number(bound) and number(value)):
+      raise err(f"knob {name}: {what} {format_value(bound)} does not compare with "
+                f"{format_value(value)}", ":min and :max bound numeric knobs with numbers")
   if lo is not None and value < lo:
     raise err(f"knob {name} = {format_value(value)} is below its minimum {format_value(lo)}",
               f"use a value ≥ {format_value(lo)}")
@@ -164,6 +170,11 @@ def select(program: Program, variant: str | None = None, sets: list[tuple[str, s
         raise SxError("E-NAME-001", f"`{ref}` is not a knob", location=d.loc,
                       fix=did_you_mean(ref, program.knobs) or "use a number or a defknob name")
       value = program.knobs[ref].default
+    if name in RUN_KNOBS and name not in program.knobs and value is not None:
+      # a defrun literal (or the knob it names) must fit the run setting's type
+      value = coerce(value, RUN_KNOBS[name] if RUN_KNOBS[name] is not None else 0, name, d.loc)
+    if value is not None:
+      _check_range(name, value, d.choices, d.min, d.max, loc=d.loc)
     knobs[name] = Knob(value, "file")
   if variant is not None:
     if variant not in program.variants:

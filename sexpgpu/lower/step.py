@@ -106,9 +106,9 @@ class TrainStep:
     params, opt = state["params"], state["opt"]
     updates, new_opt = self.optimizer.update(grads, opt, params)
     new_params = optax.apply_updates(params, updates)
-    ok = _finite(loss) & _finite(optax.global_norm(grads))
+    ok = _finite(loss) & _finite(optax.tree.norm(grads))
     keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": jnp.asarray(self.schedule(state["step"]), jnp.float32), "finite": ok}
     for d in self.diags:
       if d.kind == "grad-norm":

@@ -91,7 +91,8 @@ class Session:
         vals = self._pass_steps[name](self.state["params"], batch)
         for m, v in vals.items():
           sums[m] = v if m not in sums else sums[m] + v
-      metrics = {f"{name}/{m}": float(v) / p.batches for m, v in sums.items()}  # host sync
+      # host sync: the progress line needs the numbers
+      metrics = {f"{name}/{m}": float(sums[m]) / p.batches for m, _ in p.metrics}
       dt = time.perf_counter() - t
       if name in self.first_pass:
         self.pass_times[name].append(dt)

@@ -1,0 +1,70 @@
+"""Training numerics: stacking degrees agree, bf16 learns, :on-nan, the API."""
+
+import json
+import math
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import sexpgpu
+from conftest import ROOT, sexpgpu_cmd
+
+TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+
+
+def _losses(tmp_path, name, *args, env=None):
+  m = tmp_path / f"{name}.jsonl"
+  e = dict(os.environ)
+  e.update(env or {})
+  p = subprocess.run(sexpgpu_cmd("run", TINY, "--variant", "smoke", "--set", "microbatches=4",
+                                 "--steps", "6", "--metrics", f"jsonl:{m}", *args),
+                     cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr
+  return [json.loads(line)["train/loss"] for line in m.read_text().splitlines()
+          if json.loads(line)["kind"] == "step"]
+
+
+def test_stacking_1_2_and_k_agree(tmp_path):
+  runs = {s: _losses(tmp_path, f"s{s}", env={"SEXPGPU_STACKING": str(s)}) for s in (1, 2, 4)}
+  for s in (1, 2):
+    np.testing.assert_allclose(runs[s], runs[4], rtol=0, atol=1e-6)
+
+
+def test_bad_stacking_variable_is_e_env_001(tmp_path):
+  p = subprocess.run(sexpgpu_cmd("run", TINY, "--steps", "1"), cwd=ROOT, capture_output=True,
+                     text=True, env=dict(os.environ, SEXPGPU_STACKING="two"), timeout=300)
+  assert p.returncode == 1 and "error[E-ENV-001]" in p.stderr and "SEXPGPU_STACKING" in p.stderr
+
+
+def test_bf16_runs_and_learns():
+  exp = sexpgpu.compile(TINY, set={"precision": "bf16"})
+  s = exp.run()
+  assert s.eval["eval/loss"] < 0.8 * math.log(32)
+
+
+def test_on_nan_stop_is_e_num_001(tmp_path):
+  p = subprocess.run(sexpgpu_cmd("run", TINY, "--variant", "smoke", "--set", "lr=1e30", "--steps",
+                                 "5", "--checkpoint-dir", str(tmp_path)),
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 1 and "error[E-NUM-001]" in p.stderr, p.stderr
+
+
+def test_on_nan_skip_counts_skipped_steps():
+  exp = sexpgpu.compile(TINY, variant="smoke", set={"lr": 1e30, "on-nan": "skip"})
+  s = exp.run(steps=4)
+  assert s.counters.get("skipped-steps", 0) >= 1
+
+
+def test_api_call_and_params():
+  exp = sexpgpu.compile(TINY, variant="smoke")
+  assert exp.knobs["layers"].value == 1 and exp.knobs["layers"].source == "variant"
+  st = exp.init(seed=1)
+  logits = exp.call("lm", st.params, np.zeros((2, 16), np.int32))
+  assert logits.shape == (2, 16, 32)
+  np.testing.assert_array_equal(np.asarray(logits), 0.0)  # zero-initialised unembedding
+  assert "lm/transformer-lm/unembed" in exp.params
+  with pytest.raises(sexpgpu.SxError) as e:
+    sexpgpu.compile_text("(defrun :loss x", name="bad.sx")
+  assert e.value.code == "E-READ-001" and e.value.location.line == 1
