@@ -250,3 +250,28 @@ def test_building_starts_no_jax_backend():
                      timeout=300)
   assert r.returncode == 0, r.stderr
   assert "no-backend" in r.stdout
+
+
+@pytest.mark.parametrize("config", ["tiny-lm", "char-lm", "classifier", "gpt2-small"])
+def test_verifier_accepts_every_example_graph(config):
+  from sexpgpu.ir.verify import verify
+  from sexpgpu.run.compile import compile_file
+  c = compile_file(os.path.join(ROOT, "configs", f"{config}.sx"), variant="smoke")
+  for stage in c.stages:
+    verify(stage.graph)
+  for graphs in c.passes.values():
+    for g in graphs.values():
+      verify(g)
+
+
+def test_verifier_rejects_a_node_whose_type_lies():
+  import dataclasses as dc
+  from sexpgpu.ir.verify import IRError, verify
+  from sexpgpu.run.compile import compile_file
+  c = compile_file(os.path.join(ROOT, "configs", "tiny-lm.sx"), variant="smoke")
+  g = c.stages[0].graph
+  out = g.outputs["out"]
+  bad = dc.replace(out.inputs[0], shape=(1, 2, 3))
+  broken = dc.replace(g, outputs={"out": dc.replace(out, inputs=(bad,) + out.inputs[1:])})
+  with pytest.raises(IRError):
+    verify(broken)
