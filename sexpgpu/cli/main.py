@@ -113,6 +113,21 @@ def cmd_check(argv: list[str]) -> int:
 COMMANDS = {"run": cmd_run, "check": cmd_check}
 
 
+def _commands() -> dict:
+  """The built-in commands plus those of the tool modules (sweep, bundle, watch, plot, doctor)."""
+  import importlib
+  out = dict(COMMANDS)
+  for mod in ("sexpgpu.cli.tools", "sexpgpu.cli.doctor"):
+    try:
+      m = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+      if e.name != mod:
+        raise
+      continue
+    out.update(m.COMMANDS)
+  return out
+
+
 def main(argv: list[str] | None = None) -> int:
   """Entry point of the `sexpgpu` console script."""
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -120,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(USAGE)
     return 0 if argv else 1
   command = argv[0]
-  if command not in COMMANDS:
+  commands = _commands()
+  if command not in commands:
     sys.stderr.write(SxError("E-FORM-001", f"unknown command `{command}`", where="the command line",
-                             fix="commands: " + ", ".join(COMMANDS)).render() + "\n")
+                             fix="commands: " + ", ".join(commands)).render() + "\n")
     return 1
   try:
-    code = COMMANDS[command](argv[1:])
+    code = commands[command](argv[1:])
   except SxError as e:
     sys.stderr.write(e.render() + "\n")
     if os.environ.get("SEXPGPU_DEBUG") == "1":

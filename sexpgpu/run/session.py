@@ -62,6 +62,9 @@ class Session:
                        ((n, compiled.exp.diagnostics[n]) for n in compiled.diagnostics))
     self._train_steps: dict[int, TrainStep] = {}
     self._pass_steps = {p: PassStep(gs, self.precision) for p, gs in compiled.passes.items()}
+    from sexpgpu.lower.flops import device_peak, train_flops
+    self.step_flops = [train_flops(s.graph, self.k) for s in compiled.stages]
+    self.peak = device_peak(device, self.precision)
 
   # --- pieces ----------------------------------------------------------------
   def train_step(self) -> TrainStep:
@@ -302,13 +305,16 @@ class Session:
   def _step_event(self, step: int, m: dict, dt: float, n_mb: int) -> None:
     toks = self.counters.get("tokens")
     tps = None
+    mfu = None
+    if self.peak:
+      mfu = self.step_flops[self.stage] / max(dt, 1e-9) / self.peak
     if toks is not None:
       per_step = self.k * int(np.prod(self.c.fields[self.c.stages[self.stage].data]
                                       .get("tokens", ("i32", (0,)))[1]))
       tps = per_step / max(dt, 1e-9)
     ev = {"train/loss": float(m["loss"]), "train/lr": float(m["lr"]),
           "train/grad-norm": float(m["grad_norm"]), "time/step": dt,
-          "throughput/tokens-per-second": tps, "throughput/mfu": None,
+          "throughput/tokens-per-second": tps, "throughput/mfu": mfu,
           "counters": dict(self.counters)}
     self.metrics.emit("step", step=step, **ev)
     for d in self.diags:

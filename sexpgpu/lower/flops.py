@@ -1,0 +1,97 @@
+"""Model flops counted from the IR (matmuls, einsums, attention), for tokens/s and MFU.
+
+XLA's cost_analysis counts a scan body once, however many trips it makes, so the
+count here walks the IR instead and multiplies each repeat body by its size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from sexpgpu.ir.graph import Graph, Node, walk
+
+
+def _einsum_flops(spec: str, shapes: list[tuple[int, ...]]) -> int:
+  lhs = spec.replace(" ", "").split("->")[0].split(",")
+  sizes: dict[str, int] = {}
+  for sub, shape in zip(lhs, shapes):
+    letters = re.sub(r"\.\.\.", "", sub)
+    for ch, d in zip(letters[::-1], shape[::-1]):
+      sizes[ch] = d
+  return 2 * math.prod(sizes.values()) if sizes else 0
+
+
+def node_flops(node: Node) -> int:
+  """Multiply-add flops of one node (0 for ops that are not products)."""
+  if node.op == "matmul":
+    a, b = node.inputs
+    k = a.shape[-1]
+    return 2 * k * math.prod(node.shape)
+  if node.op == "einsum":
+    return _einsum_flops(node.attr("spec"), [i.shape for i in node.inputs])
+  if node.op == "sdpa":
+    q, k, v = node.inputs
+    return 2 * 2 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+  return 0
+
+
+def _flops(roots: list[Node]) -> int:
+  total = 0
+  for node in walk(roots):
+    if node.op == "repeat":
+      body = node.attr("body")
+      total += node.attr("n") * _flops([body.output])
+    else:
+      total += node_flops(node)
+  return total
+
+
+def forward_flops(graph: Graph) -> int:
+  """Flops of one forward evaluation of the graph on one microbatch."""
+  return _flops(list(graph.outputs.values()))
+
+
+def train_flops(graph: Graph, microbatches: int) -> int:
+  """Flops of one optimizer step: forward and backward (3x forward) over every microbatch."""
+  return 3 * forward_flops(graph) * microbatches
+
+
+# bf16 dense peaks of common cards, flop/s (f32 runs use the TF32 tensor-core peak)
+GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "L40S": 362e12,
+             "A10": 125e12, "RTX 4090": 165e12}
+
+
+def device_peak(device, precision: str, cache: str | None = None) -> float | None:
+  """The device's peak flop/s: a table for GPUs, a measured matmul rate for the CPU."""
+  kind = getattr(device, "device_kind", "")
+  if device.platform == "gpu" or device.platform == "cuda":
+    for name, peak in GPU_PEAKS.items():
+      if name in kind:
+        return peak if precision == "bf16" else peak / 2
+    return None
+  return _cpu_peak(cache)
+
+
+_CPU_PEAK: float | None = None
+
+
+def _cpu_peak(cache: str | None) -> float:
+  """A 1024² f32 matmul's rate on this CPU, measured once per process."""
+  global _CPU_PEAK
+  if _CPU_PEAK is None:
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    n = 1024
+    x = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+      t = time.perf_counter()
+      f(x).block_until_ready()
+      best = min(best, time.perf_counter() - t)
+    _CPU_PEAK = 2 * n ** 3 / best
+  return _CPU_PEAK
