@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import threading
 import sys
 import time
 import urllib.error
@@ -78,3 +79,61 @@ def _wait(proc: subprocess.Popen, endpoint: str, timeout: float) -> None:
     except OSError:
       time.sleep(0.1)
   raise RuntimeError(f"moto server at {endpoint} did not answer within {timeout}s")
+
+
+class KillableProxy:
+  """A TCP forwarder to the moto server that can be killed mid-transfer."""
+
+  def __init__(self, upstream_port: int):
+    self.upstream = upstream_port
+    self.sock = socket.create_server(("127.0.0.1", 0))
+    self.port = self.sock.getsockname()[1]
+    self.conns: list[socket.socket] = []
+    self.sent = 0
+    self.dead = False
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self):
+    while True:
+      try:
+        client, _ = self.sock.accept()
+      except OSError:
+        return
+      if self.dead:
+        client.close()
+        return
+      server = socket.create_connection(("127.0.0.1", self.upstream))
+      self.conns += [client, server]
+      threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+      threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+  def _pump(self, src, dst, up):
+    try:
+      while (data := src.recv(1 << 16)) and not self.dead:
+        dst.sendall(data)
+        if up:
+          self.sent += len(data)
+    except OSError:
+      pass
+    finally:
+      for s in (src, dst):
+        try:
+          s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+          pass
+        s.close()
+
+  def kill(self):
+    """Closes the listening socket and every connection: the server is gone."""
+    self.dead = True
+    try:
+      self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+    except OSError:
+      pass
+    self.sock.close()
+    for s in self.conns:
+      try:
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+      except OSError:
+        pass

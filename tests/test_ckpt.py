@@ -18,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 
+from s3server import KillableProxy
+
 from sexpgpu.ckpt import (CheckpointInfo, CheckpointStore, read_meta, resolve_resume,
                           restore_checkpoint)
 from sexpgpu.ckpt.store import local_steps
@@ -353,64 +355,6 @@ def test_s3_missing_bucket(moto, monkeypatch):
   store.close()
 
 
-class _Proxy:
-  """A TCP forwarder to the moto server that can be killed mid-transfer."""
-
-  def __init__(self, upstream_port: int):
-    self.upstream = upstream_port
-    self.sock = socket.create_server(("127.0.0.1", 0))
-    self.port = self.sock.getsockname()[1]
-    self.conns: list[socket.socket] = []
-    self.sent = 0
-    self.dead = False
-    threading.Thread(target=self._accept, daemon=True).start()
-
-  def _accept(self):
-    while True:
-      try:
-        client, _ = self.sock.accept()
-      except OSError:
-        return
-      if self.dead:
-        client.close()
-        return
-      server = socket.create_connection(("127.0.0.1", self.upstream))
-      self.conns += [client, server]
-      threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-      threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
-
-  def _pump(self, src, dst, up):
-    try:
-      while (data := src.recv(1 << 16)) and not self.dead:
-        dst.sendall(data)
-        if up:
-          self.sent += len(data)
-    except OSError:
-      pass
-    finally:
-      for s in (src, dst):
-        try:
-          s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-          pass
-        s.close()
-
-  def kill(self):
-    """Closes the listening socket and every connection: the server is gone."""
-    self.dead = True
-    try:
-      self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-    except OSError:
-      pass
-    self.sock.close()
-    for s in self.conns:
-      try:
-        s.shutdown(socket.SHUT_RDWR)
-        s.close()
-      except OSError:
-        pass
-
-
 def test_s3_server_dies_mid_upload(s3, moto, monkeypatch):
   """The store's server dies while uploading step 2: an SxError, step 1 intact.
 
@@ -419,7 +363,7 @@ def test_s3_server_dies_mid_upload(s3, moto, monkeypatch):
   dead server); the real server then shows what a restarted one would hold.
   """
   fs, loc = s3
-  proxy = _Proxy(int(moto.rsplit(":", 1)[1]))
+  proxy = KillableProxy(int(moto.rsplit(":", 1)[1]))
   _aws_env(monkeypatch, f"http://127.0.0.1:{proxy.port}")
   small = {"w": np.arange(10, dtype=np.float32)}
   big = {"w": np.random.default_rng(1).standard_normal(25_000_000, dtype=np.float32)}

@@ -159,6 +159,7 @@ class Session:
     if self.store is None:
       return
     self.set_status("checkpointing", step)
+    self._emit_saved()  # the previous save completes first (the store waits for it anyway)
     self.store.save(step, self.state, self.meta(step), wait=wait)
     if wait:
       self._emit_saved()

@@ -1,0 +1,130 @@
+"""Checkpoints on s3:// (a moto server on 127.0.0.1): exact resume, a dying server, secrets."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, sexpgpu_cmd
+from s3server import KillableProxy, moto_server, s3_env
+
+EXP = os.path.join(ROOT, "tests", "data", "curriculum.sx")
+SECRET = "sexpgpuTestSecretKey0123456789"
+
+
+@pytest.fixture(scope="module")
+def moto():
+  with moto_server() as endpoint:
+    import s3fs
+    saved = dict(os.environ)
+    os.environ.update(s3_env(endpoint))
+    os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir("runs")
+    os.environ.clear()
+    os.environ.update(saved)
+    yield endpoint
+
+
+def _env(endpoint):
+  e = dict(os.environ)
+  e.update(s3_env(endpoint))
+  e["AWS_SECRET_ACCESS_KEY"] = SECRET
+  return e
+
+
+def _run(args, endpoint, **kw):
+  return subprocess.run(sexpgpu_cmd("run", EXP, *args), cwd=ROOT, env=_env(endpoint),
+                        capture_output=True, text=True, timeout=600, **kw)
+
+
+def _steps(path):
+  return {e["step"]: e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"}
+
+
+def test_sigterm_then_resume_latest_on_s3_is_exact(moto, tmp_path):
+  full_m = tmp_path / "full.jsonl"
+  full = _run(["--checkpoint-dir", "s3://runs/full", "--metrics", f"jsonl:{full_m}", "--json"],
+              moto)
+  assert full.returncode == 0, full.stderr
+  m = tmp_path / "m.jsonl"
+  p = subprocess.Popen(sexpgpu_cmd("run", EXP, "--checkpoint-dir", "s3://runs/stop", "--metrics",
+                                   f"jsonl:{m}", "--json", "--status", str(tmp_path / "s.json")),
+                       cwd=ROOT, env=_env(moto), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    if m.exists() and any(s >= 9 for s in _steps(m)):
+      break
+    time.sleep(0.005)
+  p.send_signal(signal.SIGTERM)
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 143, err
+  stopped = json.loads(out)
+  assert stopped["stopped_by"] == "SIGTERM"
+  assert stopped["checkpoint"].startswith("s3://runs/stop/curriculum/")
+  assert json.load(open(tmp_path / "s.json"))["state"] == "stopped"
+  r = _run(["--checkpoint-dir", "s3://runs/stop", "--metrics", f"jsonl:{m}", "--json",
+            "--resume", "latest"], moto)
+  assert r.returncode == 0, r.stderr
+  assert f"resume latest={stopped['checkpoint']}" in r.stderr
+  a, b = json.loads(full.stdout), json.loads(r.stdout)
+  for key in ("train_loss", "eval", "counters", "stage"):
+    assert a[key] == b[key]
+  assert _steps(m) == _steps(full_m)
+  for text in (full.stderr, full.stdout, err, out, r.stderr, r.stdout, m.read_text(),
+               open(tmp_path / "s.json").read()):
+    assert SECRET not in text
+
+
+def test_resume_from_an_s3_step_dir(moto, tmp_path):
+  r = _run(["--checkpoint-dir", "s3://runs/dir", "--steps", "10", "--json"], moto)
+  assert r.returncode == 0, r.stderr
+  step_dir = json.loads(r.stdout)["checkpoint"]
+  r2 = _run(["--resume", step_dir, "--json"], moto)
+  assert r2.returncode == 0, r2.stderr
+  assert json.loads(r2.stdout)["steps"] == 60
+
+
+def test_missing_bucket_is_found_before_the_first_step(moto):
+  r = _run(["--checkpoint-dir", "s3://no-such-bucket/x"], moto)
+  assert r.returncode == 1 and "error[E-CKPT-004]" in r.stderr, r.stderr
+  assert "step 0/" not in r.stderr and SECRET not in r.stderr
+
+
+def test_server_dies_during_a_save(moto, tmp_path):
+  """The store's server goes away mid-run: a clear error, the earlier checkpoint intact."""
+  proxy = KillableProxy(int(moto.rsplit(":", 1)[1]))
+  m = tmp_path / "m.jsonl"
+  env = _env(f"http://127.0.0.1:{proxy.port}")
+  p = subprocess.Popen(sexpgpu_cmd("run", EXP, "--set", "width=512", "--steps", "400",
+                                   "--set", "checkpoint-every=2", "--eval-every", "0",
+                                   "--checkpoint-dir", "s3://runs/dying", "--metrics",
+                                   f"jsonl:{m}", "--status", str(tmp_path / "s.json")),
+                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    if m.exists() and any(e["kind"] == "checkpoint" for e in map(json.loads, open(m))):
+      break
+    time.sleep(0.01)
+  before = proxy.sent
+  while time.time() < deadline and proxy.sent - before < 2_000_000 and p.poll() is None:
+    time.sleep(0.002)
+  proxy.kill()
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 1, err
+  assert "error[E-CKPT-004]" in err and "s3://runs/dying/" in err, err
+  assert "Traceback" not in err and SECRET not in err
+  assert json.load(open(tmp_path / "s.json"))["state"] == "failed"
+  saved = [e for e in map(json.loads, open(m)) if e["kind"] == "checkpoint"]
+  assert saved
+  probe = ("from sexpgpu.ckpt import CheckpointStore, read_meta\n"
+           "d = CheckpointStore('s3://runs/dying', 'curriculum-checkpoint-every=2-width=512', 3).latest()\n"
+           "print(read_meta(d)['step'])")
+  r = subprocess.run([sys.executable, "-c", probe], env=_env(moto), capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert int(r.stdout) >= saved[0]["step"]
