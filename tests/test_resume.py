@@ -144,3 +144,61 @@ def test_rank_count_differs_is_e_dp_002(full, tmp_path):
   r = subprocess.run(sexpgpu_cmd("run", EXP, "--resume", str(dst)), cwd=ROOT,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 1 and "error[E-DP-002]" in r.stderr, r.stderr
+
+
+def _ckpt_tmp_dirs(run_dir):
+  if not os.path.isdir(run_dir):
+    return []
+  return [d for d in os.listdir(run_dir) if "tmp" in d]
+
+
+def test_kill_9_during_a_checkpoint_write_then_resume_latest(tmp_path):
+  args = ["--set", "width=384", "--set", "checkpoint-every=3", "--steps", "30", "--eval-every",
+          "0", "--json"]
+  full = subprocess.run(sexpgpu_cmd("run", EXP, *args), cwd=ROOT, capture_output=True, text=True,
+                        timeout=600)
+  assert full.returncode == 0, full.stderr
+  ck = tmp_path / "ck"
+  run_dir = ck / "curriculum-checkpoint-every=3-width=384"
+  p = subprocess.Popen(sexpgpu_cmd("run", EXP, *args, "--checkpoint-dir", str(ck)), cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  hit = False
+  while time.time() < deadline and p.poll() is None:
+    done = [d for d in os.listdir(run_dir) if d.isdigit()] if run_dir.exists() else []
+    if done and _ckpt_tmp_dirs(run_dir):  # a later save is being written right now
+      p.send_signal(signal.SIGKILL)
+      hit = True
+      break
+    time.sleep(0.0005)
+  p.communicate(timeout=60)
+  assert hit, "the run ended before a checkpoint write could be interrupted"
+  r = subprocess.run(sexpgpu_cmd("run", EXP, *args, "--checkpoint-dir", str(ck), "--resume",
+                                 "latest"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr
+  a, b = json.loads(full.stdout), json.loads(r.stdout)
+  for key in ("train_loss", "counters", "stage"):
+    assert a[key] == b[key]
+
+
+def test_a_second_signal_during_the_final_checkpoint_keeps_it_whole(tmp_path):
+  ck = tmp_path / "ck"
+  m = tmp_path / "m.jsonl"
+  p = subprocess.Popen(sexpgpu_cmd("run", EXP, "--set", "width=384", "--steps", "200",
+                                   "--checkpoint-dir", str(ck), "--metrics", f"jsonl:{m}",
+                                   "--json"),
+                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    if m.exists() and _events(m, "step"):
+      break
+    time.sleep(0.005)
+  p.send_signal(signal.SIGTERM)
+  time.sleep(0.05)
+  p.send_signal(signal.SIGTERM)
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 143, err
+  step_dir = json.loads(out)["checkpoint"]
+  from sexpgpu.ckpt import CheckpointStore, read_meta
+  assert CheckpointStore(str(ck), "curriculum-width=384", 3).latest() == step_dir
+  assert read_meta(step_dir)["step"] == json.loads(out)["steps"]
