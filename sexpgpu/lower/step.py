@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sexpgpu.ir.graph import Graph
@@ -56,11 +57,17 @@ class TrainStep:
   seed: int
   on_nan: str
   diags: tuple[Diag, ...] = ()
+  mesh: Any = None  # a 1-D mesh over the data-parallel ranks, or None for one device
 
   def __post_init__(self):
-    self._grads = jax.jit(self._stacked_grads)
+    self.ranks = 1 if self.mesh is None else self.mesh.size
+    if self.ranks > 1:
+      self._fused = jax.jit(self._dp_step, donate_argnums=(0,))
+      self._grads = jax.jit(self._dp_grads)
+    else:
+      self._fused = jax.jit(self._full_step, donate_argnums=(0,))
+      self._grads = jax.jit(self._stacked_grads)
     self._update = jax.jit(self._apply, donate_argnums=(0,))
-    self._fused = jax.jit(self._full_step, donate_argnums=(0,))
     self._fused_exec = None
 
   # a microbatch's loss and gradient; dropout's key from (seed, step, microbatch)
@@ -131,17 +138,58 @@ class TrainStep:
     loss, grads, _, tapped = self._stacked_grads(state["params"], batches, state["step"], 0)
     return self._apply(state, loss, grads, tapped)
 
+  # --- data parallel: rank r takes microbatches r·K/R … (r+1)·K/R − 1 of each step ---------
+  def _shard(self, fn, in_specs, out_specs):
+    from jax.sharding import PartitionSpec as P
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def _dp_local_grads(self, params, batches, step, offset):
+    # Gradients are summed across ranks exactly once, explicitly, in f32.
+    rank = jax.lax.axis_index("data")
+    per_rank = self.microbatches // self.ranks
+    loss, grads, losses, tapped = self._stacked_grads(params, batches, step,
+                                                      offset + rank * per_rank)
+    loss = jax.lax.psum(loss, "data")
+    grads = jax.lax.psum(grads, "data")
+    tapped = {n: jax.lax.all_gather(v, "data", tiled=True) for n, v in tapped.items()}
+    return loss, grads, tapped
+
+  def _dp_step(self, state, batches):
+    from jax.sharding import PartitionSpec as P
+
+    def inner(state, batches):
+      loss, grads, tapped = self._dp_local_grads(state["params"], batches, state["step"], 0)
+      return self._apply(state, loss, grads, tapped)
+
+    return self._shard(inner, (P(), P("data")), (P(), P()))(state, batches)
+
+  def _dp_grads(self, params, batches, step, offset):
+    from jax.sharding import PartitionSpec as P
+
+    def inner(params, batches, step, offset):
+      loss, grads, tapped = self._dp_local_grads(params, batches, step, offset)
+      return loss, grads, None, tapped
+
+    return self._shard(inner, (P(), P("data"), P(), P()), (P(), P(), P(), P()))(
+        params, batches, step, offset)
+
   def __call__(self, state, batches):
     """One optimizer step over `batches` (leading axis K); returns (state, metrics)."""
-    s, k = self.stacking, self.microbatches
+    s, k = self.stacking * self.ranks, self.microbatches
     if s == k:
       if self._fused_exec is not None:
         return self._fused_exec(state, batches)
       return self._fused(state, batches)
     loss, grads, tapped = None, None, []
+    per_rank, st = k // self.ranks, self.stacking
     for c in range(k // s):
-      chunk = jax.tree_util.tree_map(lambda x: x[c * s:(c + 1) * s], batches)
-      l, g, _, t = self._grads(state["params"], chunk, state["step"], c * s)
+      # chunk c holds microbatches c·S … (c+1)·S − 1 of every rank's share
+      idx = np.concatenate([np.arange(r * per_rank + c * st, r * per_rank + (c + 1) * st)
+                            for r in range(self.ranks)])
+      chunk = jax.tree_util.tree_map(lambda x: x[idx], batches)
+      offset = jnp.int32(c * st) if self.ranks > 1 else jnp.int32(c * s)
+      l, g, _, t = self._grads(state["params"], chunk, state["step"], offset)
       loss = l if loss is None else loss + l
       grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
       tapped.append(t)
@@ -152,17 +200,18 @@ class TrainStep:
     """Compiles the step ahead of time for these (abstract) inputs; returns the executable."""
     lowered = self.lowered(state, batches)
     compiled = lowered.compile()
-    if self.stacking == self.microbatches:
+    if self.stacking * self.ranks == self.microbatches:
       self._fused_exec = compiled
     return compiled
 
   def lowered(self, state, batches):
     """The fused step lowered for abstract inputs (for memory and cost analysis)."""
-    if self.stacking == self.microbatches:
+    if self.stacking * self.ranks == self.microbatches:
       return self._fused.lower(state, batches)
     chunk = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((self.stacking,) + x.shape[1:], x.dtype), batches)
-    return self._grads.lower(state["params"], chunk, state["step"], 0)
+        lambda x: jax.ShapeDtypeStruct((self.stacking * self.ranks,) + x.shape[1:], x.dtype),
+        batches)
+    return self._grads.lower(state["params"], chunk, state["step"], jnp.int32(0))
 
 
 class PassStep:

@@ -29,6 +29,89 @@ def open_device(kind: str):
   return devs[0]
 
 
+def parse_device_list(value: str | None) -> list[int] | None:
+  """SEXPGPU_DEVICES as ordinals, or None when unset.
+
+  Raises:
+    SxError: E-DP-001 when it does not parse or repeats an ordinal.
+  """
+  if value is None or value.strip() == "":
+    return None
+  fix = "list visible ordinals once each, SEXPGPU_DEVICES=0,1"
+  try:
+    ords = [int(v) for v in value.split(",")]
+  except ValueError:
+    raise SxError("E-DP-001", f"SEXPGPU_DEVICES={value} does not parse", where="SEXPGPU_DEVICES",
+                  fix=fix) from None
+  if any(o < 0 for o in ords) or len(set(ords)) != len(ords):
+    raise SxError("E-DP-001", f"SEXPGPU_DEVICES={value} repeats an ordinal or names a negative one",
+                  where="SEXPGPU_DEVICES", fix=fix)
+  return ords
+
+
+class Placement:
+  """Where the run lives: one device, or a 1-D data-parallel mesh over several."""
+
+  def __init__(self, kind: str, devices: list):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    self.kind = kind
+    self.devices = devices
+    self.mesh = Mesh(devices, ("data",)) if len(devices) > 1 else None
+    if self.mesh is not None:
+      self._rep = NamedSharding(self.mesh, P())
+      self._shard = NamedSharding(self.mesh, P("data"))
+    self._jax = jax
+
+  @property
+  def ranks(self) -> int:
+    return len(self.devices)
+
+  @property
+  def first(self):
+    return self.devices[0]
+
+  def replicate(self, tree):
+    """Places a pytree on every rank (parameters, optimizer states)."""
+    if self.mesh is None:
+      return self._jax.device_put(tree, self.first)
+    return self._jax.device_put(tree, self._rep)
+
+  def shard(self, tree):
+    """Places a pytree whose leading axis (microbatches) is split over the ranks."""
+    if self.mesh is None:
+      return self._jax.device_put(tree, self.first)
+    return self._jax.device_put(tree, self._shard)
+
+
+def open_devices(kind: str, ordinals: list[int] | None) -> Placement:
+  """Opens the device kind and the ranks SEXPGPU_DEVICES names (all visible GPUs when unset).
+
+  On `cpu`, SEXPGPU_DEVICES=0,1 makes that many XLA host devices (set before the backend
+  starts). Raises E-DP-001 for an ordinal that is not visible, E-DEV-001 without CUDA.
+  """
+  import jax
+  if kind == "cpu":
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if ordinals is not None and not forced:
+      jax.config.update("jax_num_cpu_devices", max(ordinals) + 1)
+    devs = jax.devices("cpu")
+    if ordinals is None:
+      return Placement(kind, [devs[0]])
+  else:
+    first = open_device(kind)
+    devs = jax.devices(first.platform)
+    if ordinals is None:
+      return Placement(kind, list(devs))
+  missing = [o for o in ordinals if o >= len(devs)]
+  if missing:
+    raise SxError("E-DP-001", f"SEXPGPU_DEVICES names ordinal {missing[0]}, but only "
+                  f"{len(devs)} {kind} device{'s are' if len(devs) != 1 else ' is'} visible",
+                  where="SEXPGPU_DEVICES", fix="list visible ordinals once each, "
+                  "SEXPGPU_DEVICES=0,1 (CUDA_VISIBLE_DEVICES limits what is visible)")
+  return Placement(kind, [devs[o] for o in ordinals])
+
+
 class CompileCounter:
   """XLA compilations and persistent compilation-cache hits, from jax.monitoring."""
 

@@ -16,7 +16,7 @@ from sexpgpu.ir.values import Env
 from sexpgpu.lang.select import format_value
 from sexpgpu.run import output
 from sexpgpu.run.compile import Compiled, cache_dir
-from sexpgpu.run.devices import CompileCounter, open_device
+from sexpgpu.run.devices import CompileCounter, open_devices, parse_device_list
 
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGHUP: "SIGHUP"}
 
@@ -137,19 +137,24 @@ class Trainer:
   def _run(self, counter, open_metrics) -> Summary:
     import jax
     c, o = self.c, self.o
+    ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
     t_open = time.perf_counter()
-    device = open_device(o.device)
+    device = open_devices(o.device, ordinals)
     open_s = time.perf_counter() - t_open
+    if self.k % device.ranks:
+      raise SxError("E-DP-003", f"the {self.k} microbatches do not divide over {device.ranks} "
+                    "devices", where="SEXPGPU_DEVICES", fix="pick a device count that divides "
+                    ":microbatches, or --set microbatches=N")
     store, resume_dir, resume_text = self._checkpoint_setup()
     self.metrics = open_metrics(o.metrics, c.slug)
     self._log(output.config_line(
         c.program.path, c.slug, o.device, self.steps, self.k, _evals_field(c.exp.passes, self.every),
         ",".join(c.diagnostics) or "-", self.run_knobs["precision"], self.run_knobs["seed"],
-        o.checkpoint_dir or "-", resume_text, o.status or "-"))
+        o.checkpoint_dir or "-", resume_text, o.status or "-", ranks=device.ranks))
     if self.metrics.describe():
       self._log(f"metrics: {self.metrics.describe()}")
     self.metrics.emit("config", file=c.program.path, fingerprint=c.fingerprint, device=o.device,
-                      ranks=1, nodes=1, knobs={k: {"value": _jsonable(v.value), "source": v.source}
+                      ranks=device.ranks, nodes=1, knobs={k: {"value": _jsonable(v.value), "source": v.source}
                                                 for k, v in c.selection.knobs.items()},
                       versions=_versions(), resume=resume_text)
     t0 = time.perf_counter()

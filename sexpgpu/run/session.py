@@ -29,7 +29,8 @@ class Session:
   def __init__(self, compiled, opts, device, metrics, status, status_base, store, log, counter):
     self.c = compiled
     self.o = opts
-    self.device = device
+    self.place = device
+    self.device = device.first
     self.metrics = metrics
     self.status = status
     self.status_base = status_base
@@ -44,10 +45,12 @@ class Session:
     self.on_nan = run["on-nan"]
     self.ckpt_every = int(run["checkpoint-every"])
     self.every_override = run.get("eval-every")
-    self.stacking = opts.stacking or self.k
-    if self.k % self.stacking:
-      raise SxError("E-ENV-001", f"stacking {self.stacking} does not divide the {self.k} "
-                    "microbatches", where="SEXPGPU_STACKING", fix="use a divisor of :microbatches")
+    per_rank = self.k // device.ranks
+    self.stacking = opts.stacking or per_rank
+    if per_rank % self.stacking:
+      raise SxError("E-ENV-001", f"stacking {self.stacking} does not divide the {per_rank} "
+                    "microbatches of each rank", where="SEXPGPU_STACKING",
+                    fix="use a divisor of :microbatches / ranks")
     self.stage = 0
     self.counters: dict[str, int] = {"records": 0}
     if any("tokens" in f for f in compiled.fields.values()):
@@ -64,7 +67,7 @@ class Session:
     self._pass_steps = {p: PassStep(gs, self.precision) for p, gs in compiled.passes.items()}
     from sexpgpu.lower.flops import device_peak, train_flops
     self.step_flops = [train_flops(s.graph, self.k) for s in compiled.stages]
-    self.peak = device_peak(device, self.precision)
+    self.peak = device_peak(device.first, self.precision)
 
   # --- pieces ----------------------------------------------------------------
   def train_step(self) -> TrainStep:
@@ -72,7 +75,8 @@ class Session:
       st = self.c.stages[self.stage]
       opt, sched = make_optimizer(st.exp.optimizer, self.steps)
       self._train_steps[self.stage] = TrainStep(st.graph, opt, sched, self.precision, self.k,
-                                                self.stacking, self.seed, self.on_nan, self.diags)
+                                                self.stacking, self.seed, self.on_nan, self.diags,
+                                                self.place.mesh)
     return self._train_steps[self.stage]
 
   def pass_every(self, p) -> int | None:
@@ -90,7 +94,7 @@ class Session:
       loader = self.c.loaders[p.data]
       sums: dict[str, Any] = {}
       for i in range(p.batches):
-        batch = jax.device_put(loader.batch(i), self.device)
+        batch = self.place.replicate(loader.batch(i))
         vals = self._pass_steps[name](self.state["params"], batch)
         for m, v in vals.items():
           sums[m] = v if m not in sums else sums[m] + v
@@ -148,7 +152,7 @@ class Session:
     from sexpgpu.run.loop import _jsonable, _versions
     c = self.c
     return {"fingerprint": c.fingerprint, "graph_fingerprint": c.graph_fingerprint,
-            "slug": c.slug, "step": step, "stage": self.stage, "ranks": 1, "nodes": 1,
+            "slug": c.slug, "step": step, "stage": self.stage, "ranks": self.place.ranks, "nodes": 1,
             "stacking": self.stacking, "counters": dict(self.counters),
             "last_pass": dict(self.last_pass), "train_loss": self.train_loss,
             "loaders": {n: ld.state() for n, ld in c.loaders.items()},
@@ -179,7 +183,7 @@ class Session:
     abstract = jax.eval_shape(lambda: self.state)
     t = time.perf_counter()
     state, meta = restore_checkpoint(step_dir, abstract)
-    self.state = jax.device_put(state, self.device)
+    self.state = self.place.replicate(state)
     self.stage = int(meta["stage"])
     self.status_base["stage"] = self.stage
     self.counters = {k: int(v) for k, v in meta["counters"].items()}
@@ -195,9 +199,11 @@ class Session:
     return int(meta["step"])
 
   def _check_same(self, meta: dict, step_dir: str) -> None:
-    if meta.get("ranks", 1) != 1 or meta.get("nodes", 1) != 1:
+    ranks = self.place.ranks
+    if meta.get("ranks", 1) != ranks or meta.get("nodes", 1) != 1:
       raise SxError("E-DP-002", f"the checkpoint was written by {meta.get('ranks')} ranks on "
-                    f"{meta.get('nodes')} nodes; this run has 1 rank on 1 node", where=step_dir,
+                    f"{meta.get('nodes')} nodes; this run has {ranks} rank"
+                    f"{'s' if ranks != 1 else ''} on 1 node", where=step_dir,
                     fix="resume with the checkpoint's nodes and devices")
     if meta.get("fingerprint") == self.c.fingerprint:
       return
@@ -227,7 +233,8 @@ class Session:
       st = self.train_step()
     else:
       with jax.default_device(self.device):
-        self.state = init_state(init_params(self.seed, c.params), st.optimizer)
+        self.state = self.place.replicate(init_state(init_params(self.seed, c.params),
+                                                     st.optimizer))
     resumed_at = start if resume_dir is not None else None
     batches0 = {f: jax.ShapeDtypeStruct((self.k,) + sh, jnp.dtype(_np(dt)))
                 for f, (dt, sh) in c.fields[c.stages[self.stage].data].items()}
@@ -248,7 +255,7 @@ class Session:
       st = self.train_step()
       loader = c.loaders[c.stages[self.stage].data]
       mbs = [loader.next() for _ in range(self.k)]
-      batches = jax.device_put(_stack(mbs), self.device)
+      batches = self.place.shard(_stack(mbs))
       t = time.perf_counter()
       if self.t_first_step is None:
         self.t_first_step = t
