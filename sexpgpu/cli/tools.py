@@ -1,0 +1,123 @@
+"""`sexpgpu sweep | bundle | watch | plot`: flags and output; the work is in sexpgpu.tools."""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from sexpgpu.cli.main import _parse, _selection_flags, _sets
+from sexpgpu.errors import SxError
+
+
+def _sweep_flags() -> flags.FlagValues:
+  fv = flags.FlagValues()
+  _selection_flags(fv)
+  flags.DEFINE_integer("steps", None, "replaces defrun :steps", flag_values=fv)
+  flags.DEFINE_integer("eval_every", None, "replaces every pass's :every", flag_values=fv)
+  flags.DEFINE_string("device", None, "cpu or cuda (SEXPGPU_DEVICE)", flag_values=fv)
+  flags.DEFINE_string("metrics", None, "metrics targets; {slug} is replaced, a jsonl folder "
+                      "gets <slug>.jsonl (default jsonl:<status-dir>/<slug>.jsonl)",
+                      flag_values=fv)
+  flags.DEFINE_string("checkpoint_dir", None, "checkpoint location; each point under its slug",
+                      flag_values=fv)
+  flags.DEFINE_string("status_dir", "sweep", "folder of the points' status files and logs",
+                      flag_values=fv)
+  flags.DEFINE_integer("parallel", 1, "points run at once", lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("table", None, "also write the table as CSV here", flag_values=fv)
+  flags.DEFINE_string("emit", None, "skypilot: write one task file per point into the folder "
+                      "given after it (or skypilot:DIR) and run nothing", flag_values=fv)
+  flags.DEFINE_string("accelerators", "H100:1", "SkyPilot resources.accelerators of --emit",
+                      flag_values=fv)
+  return fv
+
+
+def cmd_sweep(argv: list[str]) -> int:
+  """`sexpgpu sweep FILE --set k=a,b ...`: runs (or emits) every point; prints the table."""
+  from sexpgpu.tools import sweep
+  fv = _sweep_flags()
+  rest = _parse(fv, argv, "sweep")
+  emit_dir = None
+  if fv.emit is not None:
+    kind, _, emit_dir = fv.emit.partition(":")
+    if kind != "skypilot":
+      raise SxError("E-FORM-001", f"--emit {fv.emit}: the one kind is skypilot",
+                    where="--emit", fix="sexpgpu sweep FILE --set lr=1e-3,3e-3 --emit skypilot DIR")
+    if not emit_dir:
+      if len(rest) != 2:
+        raise SxError("E-FORM-001", "--emit skypilot needs a folder after it", where="--emit",
+                      fix="sexpgpu sweep FILE --set lr=1e-3,3e-3 --emit skypilot tasks/")
+      emit_dir = rest.pop()
+  if len(rest) != 1:
+    raise SxError("E-FORM-001", f"sexpgpu sweep takes one experiment file, given {len(rest)}",
+                  where="the command line", fix="sexpgpu sweep my-run.sx --set lr=1e-3,3e-3")
+  opts = sweep.SweepOptions(
+      file=rest[0], grid=sweep.parse_grid(fv.set), variant=fv.variant, steps=fv.steps,
+      eval_every=fv.eval_every, diagnostics=fv.diagnostics, device=fv.device,
+      metrics=fv.metrics, checkpoint_dir=fv.checkpoint_dir, status_dir=fv.status_dir,
+      parallel=fv.parallel, table=fv.table)
+  if emit_dir is not None:
+    for path in sweep.emit_skypilot(opts, emit_dir, fv.accelerators):
+      sys.stdout.write(path + "\n")
+    return 0
+  rows, code = sweep.run_sweep(opts)
+  sys.stdout.write(sweep.format_table(opts, rows))
+  sys.stdout.flush()
+  if opts.table:
+    sweep.write_csv(opts, rows, opts.table)
+  return code
+
+
+def cmd_bundle(argv: list[str]) -> int:
+  """`sexpgpu bundle FILE [--variant V] [--set k=v] [--with-data] -o run.sxb`."""
+  from sexpgpu.tools.bundle import make_bundle
+  fv = flags.FlagValues()
+  _selection_flags(fv)
+  flags.DEFINE_bool("with_data", False, "also bundle the loaders' local files", flag_values=fv)
+  flags.DEFINE_string("output", None, "the archive to write (run.sxb)", short_name="o",
+                      flag_values=fv)
+  rest = _parse(fv, argv, "bundle")
+  if len(rest) != 1 or not fv.output:
+    raise SxError("E-FORM-001", "sexpgpu bundle takes one experiment file and -o ARCHIVE",
+                  where="the command line", fix="sexpgpu bundle my-run.sx -o my-run.sxb")
+  m = make_bundle(rest[0], fv.output, fv.variant, _sets(fv.set), fv.with_data)
+  for note in m["notes"]:
+    sys.stderr.write(f"bundle: {note}\n")
+  n_data = sum(1 for f in m["files"].values() if f["kind"] == "data")
+  sys.stderr.write(f"bundle: {fv.output}: {len(m['files']) - n_data} source files, {n_data} data "
+                   f"files, slug {m['slug']}, fingerprint {m['fingerprint'][:12]}\n")
+  return 0
+
+
+def cmd_watch(argv: list[str]) -> int:
+  """`sexpgpu watch STATUS_FILE [--interval S]`: exit 0 done, 1 failed, 2 stopped."""
+  from sexpgpu.tools.watch import watch
+  fv = flags.FlagValues()
+  flags.DEFINE_float("interval", 0.5, "seconds between reads of the status file", flag_values=fv)
+  flags.DEFINE_float("timeout", None, "give up after this many seconds (exit 3)", flag_values=fv)
+  rest = _parse(fv, argv, "watch")
+  if len(rest) != 1:
+    raise SxError("E-FORM-001", "sexpgpu watch takes one status file", where="the command line",
+                  fix="sexpgpu watch run.status.json")
+  return watch(rest[0], fv.interval, timeout=fv.timeout)
+
+
+def cmd_plot(argv: list[str]) -> int:
+  """`sexpgpu plot METRICS.jsonl... [--metric a,b] -o curves.png`."""
+  import matplotlib
+  matplotlib.use("Agg")
+  from sexpgpu.tools.plot import DEFAULT_METRICS, plot
+  fv = flags.FlagValues()
+  flags.DEFINE_list("metric", list(DEFAULT_METRICS), "metrics to draw, one panel each",
+                    flag_values=fv)
+  flags.DEFINE_string("output", "curves.png", "the PNG to write", short_name="o", flag_values=fv)
+  rest = _parse(fv, argv, "plot")
+  if not rest:
+    raise SxError("E-FORM-001", "sexpgpu plot takes one or more jsonl metrics files",
+                  where="the command line", fix="sexpgpu plot run.jsonl -o curves.png")
+  plot(rest, fv.metric, fv.output)
+  sys.stderr.write(f"plot: {fv.output}\n")
+  return 0
+
+
+COMMANDS = {"sweep": cmd_sweep, "bundle": cmd_bundle, "watch": cmd_watch, "plot": cmd_plot}

@@ -1,0 +1,100 @@
+"""`sexpgpu watch`: a live progress bar (rich) read from a run's status file.
+
+Exit status, from the run's final state: done 0, failed 1, stopped 2 (the signal's 128 + n
+is not in the status file; a stopped run can be resumed, which is why it is not a failure).
+A file that does not exist yet is waited for.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sexpgpu.track.status import read_status
+
+EXIT = {"done": 0, "failed": 1, "stopped": 2}
+
+
+def _read(path: str) -> dict | None:
+  try:
+    return read_status(path)
+  except (OSError, ValueError):
+    return None  # not written yet
+
+
+def _fmt(v, digits: int = 4) -> str:
+  return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _eta(seconds) -> str:
+  if seconds is None:
+    return "eta -"
+  s = int(round(seconds))
+  return f"eta {s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def describe(status: dict) -> dict[str, str]:
+  """The status as the bar's text fields: rate, eta and info (loss, passes, stage, state)."""
+  sps = status.get("steps_per_second")
+  parts = [f"loss {_fmt(status.get('train_loss'))}"]
+  parts += [f"{k} {_fmt(v)}" for k, v in sorted((status.get("last_pass") or {}).items())]
+  parts += [f"stage {status.get('stage', 0)}", str(status.get("state", "?"))]
+  return {"rate": "- steps/s" if sps is None else f"{sps:.1f} steps/s",
+          "eta": _eta(status.get("eta_seconds")), "info": " | ".join(parts)}
+
+
+def final_line(status: dict) -> str:
+  """The line printed when the run has ended."""
+  state = status.get("state")
+  line = f"{state}: {status.get('slug', '?')} step {status.get('step')}/{status.get('steps')}"
+  line += f", train/loss {_fmt(status.get('train_loss'))}"
+  line += "".join(f", {k} {_fmt(v)}" for k, v in sorted((status.get("last_pass") or {}).items()))
+  err = status.get("error")
+  if state == "failed" and err:
+    line += f"\nerror[{err.get('code')}]: {err.get('message')}"
+  ck = status.get("checkpoint")
+  if state == "stopped" and ck:
+    line += f"\ncheckpoint at step {ck.get('step')}: {ck.get('location')} (resume with --resume latest)"
+  return line
+
+
+def watch(path: str, interval: float = 0.5, console=None, timeout: float | None = None) -> int:
+  """Shows the run's progress until its status says done, stopped or failed.
+
+  Args:
+    path: the status file (`--status` of the run).
+    interval: seconds between reads.
+    console: a rich Console (default: standard output).
+    timeout: give up after this many seconds (None: never), returning 3.
+
+  Returns:
+    0 done, 1 failed, 2 stopped, 3 timed out.
+  """
+  from rich.console import Console
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+  console = console or Console()
+  progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[eta]}"),
+                      TextColumn("{task.fields[info]}"), console=console,
+                      refresh_per_second=max(1.0, 1.0 / max(interval, 1e-3)))
+  deadline = None if timeout is None else time.monotonic() + timeout
+  status = None
+  with progress:
+    task = progress.add_task(f"waiting for {path}", total=None, rate="", eta="", info="")
+    while True:
+      st = _read(path)
+      if st is not None:
+        status = st
+        progress.update(task, description=str(st.get("slug", path)), total=st.get("steps"),
+                        completed=st.get("step") or 0, **describe(st))
+        if st.get("state") in EXIT:
+          break
+      if deadline is not None and time.monotonic() > deadline:
+        break
+      time.sleep(interval)
+    progress.refresh()
+  if status is None or status.get("state") not in EXIT:
+    console.print(f"watch: gave up after {timeout}s; last state "
+                  f"{status.get('state') if status else 'none (no status file)'}")
+    return 3
+  console.print(final_line(status))
+  return EXIT[status["state"]]

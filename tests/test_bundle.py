@@ -1,0 +1,118 @@
+"""`sexpgpu bundle`: an archive that runs the same selection elsewhere; refused when unsafe."""
+
+import json
+import os
+import shutil
+import subprocess
+import zipfile
+
+import pytest
+
+from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.errors import SxError
+from sexpgpu.tools.bundle import open_bundle, read_manifest
+
+SEL = ["--variant", "smoke", "--set", "lr=0.01", "--set", "steps=10"]
+
+
+def _summary(out: str) -> dict:
+  s = json.loads(out.strip().splitlines()[-1])
+  return {k: s[k] for k in ("steps", "train_loss", "eval", "counters", "slug")}
+
+
+@pytest.fixture(scope="module")
+def char_bundle(tmp_path_factory):
+  """char-lm (a bytes loader) bundled with its data, and the original run's summary."""
+  made = tmp_path_factory.mktemp("made")
+  r = subprocess.run(sexpgpu_cmd("bundle", "configs/char-lm.sx", *SEL, "--with-data", "-o",
+                                 str(made / "run.sxb")),
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  orig = subprocess.run(sexpgpu_cmd("run", "configs/char-lm.sx", *SEL, "--json"), cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert orig.returncode == 0, orig.stderr
+  return made / "run.sxb", _summary(orig.stdout)
+
+
+def test_manifest(char_bundle):
+  path, _ = char_bundle
+  m = read_manifest(str(path))
+  assert m["experiment"] == "char-lm.sx"
+  assert m["variant"] == "smoke" and m["sets"] == [["lr", "0.01"], ["steps", "10"]]
+  assert m["slug"] == "char-lm-smoke-lr=0.01-steps=10" and len(m["fingerprint"]) >= 16
+  assert set(m["versions"]) >= {"sexpgpu", "jax"}
+  assert m["files"]["data/corpus.txt"]["kind"] == "data"
+  assert set(m["std"]) == {"std/nn.sx", "std/lm.sx"}
+  with zipfile.ZipFile(path) as z:
+    names = set(z.namelist())
+  assert names == {"manifest.json", "char-lm.sx", "data/corpus.txt"}
+
+
+def test_bundle_runs_elsewhere_with_the_same_summary(char_bundle, tmp_path):
+  path, original = char_bundle
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  shutil.copy(path, elsewhere / "copy.sxb")
+  cwd = os.getcwd()
+  os.chdir(elsewhere)
+  try:
+    sx, variant, sets = open_bundle("copy.sxb")
+  finally:
+    os.chdir(cwd)
+  assert os.path.basename(sx) == "char-lm.sx" and not sx.startswith(ROOT)
+  argv = ["run", sx] + (["--variant", variant] if variant else [])
+  for k, v in sets:
+    argv += ["--set", f"{k}={v}"]
+  r = subprocess.run(sexpgpu_cmd(*argv, "--json"), cwd=elsewhere, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert _summary(r.stdout) == original
+  assert open_bundle(str(elsewhere / "copy.sxb"))[0] == sx  # extracted once, reused
+
+
+def _rewrite(src, dst, change):
+  with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+    for info in zin.infolist():
+      name, data = change(info.filename, zin.read(info))
+      if name is not None:
+        zout.writestr(name, data)
+
+
+def test_tampered_member_is_e_bundle_002(char_bundle, tmp_path):
+  path, _ = char_bundle
+  bad = tmp_path / "bad.sxb"
+  _rewrite(path, bad, lambda n, d: (n, d.replace(b"lr 3e-3", b"lr 3e-2") if n == "char-lm.sx"
+                                    else d))
+  with pytest.raises(SxError) as e:
+    open_bundle(str(bad))
+  assert e.value.code == "E-BUNDLE-002" and "char-lm.sx" in e.value.message
+  unlisted = tmp_path / "unlisted.sxb"
+  _rewrite(path, unlisted, lambda n, d: (n, d))
+  with zipfile.ZipFile(unlisted, "a") as z:
+    z.writestr("extra.sx", "(defknob x 1)")
+  with pytest.raises(SxError) as e:
+    open_bundle(str(unlisted))
+  assert e.value.code == "E-BUNDLE-002" and "extra.sx" in e.value.message
+
+
+@pytest.mark.parametrize("member", ["../x.sx", "/tmp/sexpgpu-abs-member.sx", "a/../../x.sx"])
+def test_unsafe_member_is_e_bundle_001(char_bundle, tmp_path, member):
+  path, _ = char_bundle
+  bad = tmp_path / "bad.sxb"
+  _rewrite(path, bad, lambda n, d: (n, d))
+  with zipfile.ZipFile(bad, "a") as z:
+    z.writestr(zipfile.ZipInfo(member), "(defknob x 1)")
+  with pytest.raises(SxError) as e:
+    open_bundle(str(bad))
+  assert e.value.code == "E-BUNDLE-001" and member in e.value.message
+  assert not (tmp_path / "x.sx").exists() and not os.path.exists("/tmp/sexpgpu-abs-member.sx")
+
+
+def test_without_data_records_what_is_left_out(tmp_path):
+  r = subprocess.run(sexpgpu_cmd("bundle", "configs/classifier.sx", "--variant", "smoke", "-o",
+                                 str(tmp_path / "c.sxb")),
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert "data/blobs.npz not bundled (add --with-data)" in r.stderr
+  m = read_manifest(str(tmp_path / "c.sxb"))
+  assert m["data_not_bundled"] == ["data/blobs.npz"] and list(m["files"]) == ["classifier.sx"]
