@@ -1,0 +1,350 @@
+"""`sexpgpu doctor`: checks the floor a run needs, one `ok|warn|fail <check>: <detail>` line each."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.parse
+from typing import Callable, Mapping
+
+from sexpgpu.devices import env as denv
+from sexpgpu.errors import SxError
+
+MIN_DRIVER = 580
+MIN_CC = (8, 0)
+FIX_PLUGIN = 'pip install "sexpgpu[cuda]" (jax[cuda13])'
+FIX_DRIVER = "install an NVIDIA driver of the 580 series or newer (CUDA 13)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """One doctor line: status (ok, warn, fail), the check's name, what was found, the fix."""
+
+  status: str
+  name: str
+  detail: str
+  fix: str | None = None
+
+  def line(self) -> str:
+    """`ok python: 3.12.3`, or with the fix on a fail: `fail cache: ... — fix: ...`."""
+    text = f"{self.status} {self.name}: {self.detail}"
+    return text + (f" — fix: {self.fix}" if self.fix and self.status == "fail" else "")
+
+
+def _from_error(name: str, e: SxError) -> Check:
+  return Check("fail", name, f"error[{e.code}] {e.message}", e.fix)
+
+
+def _gpu_missing(device: str, name: str, detail: str, fix: str) -> Check:
+  if device == "cuda":
+    return Check("fail", name, detail, fix)
+  return Check("warn", name, f"{detail}; no GPU: cuda runs unavailable")
+
+
+# --- the checks -------------------------------------------------------------------
+
+def check_python() -> Check:
+  v = sys.version_info
+  ok = v >= (3, 11)
+  return Check("ok" if ok else "fail", "python", f"{v.major}.{v.minor}.{v.micro}",
+               None if ok else "Python 3.11 or newer")
+
+
+def check_jax() -> list[Check]:
+  out = []
+  for mod in ("jax", "jaxlib"):
+    try:
+      m = __import__(mod)
+      out.append(Check("ok", mod, getattr(m, "__version__", "?")))
+    except ImportError as e:
+      out.append(Check("fail", mod, f"not importable ({e})", "pip install sexpgpu"))
+  return out
+
+
+def _plugin() -> str | None:
+  for name in ("jax_cuda13_plugin", "jax_plugins.xla_cuda13"):
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return name
+    except (ImportError, ValueError):
+      continue
+  return None
+
+
+def check_plugin(device: str) -> Check:
+  name = _plugin()
+  if name is None:
+    return _gpu_missing(device, "cuda plugin", "jax_cuda13 plugin not installed", FIX_PLUGIN)
+  try:
+    import jax
+    n = len(jax.devices("cuda"))
+  except RuntimeError as e:
+    return Check("fail" if device == "cuda" else "warn", "cuda plugin",
+                 f"{name} installed, but the cuda backend does not start ({_first_line(e)})",
+                 FIX_DRIVER)
+  return Check("ok", "cuda plugin", f"{name}, {n} cuda devices")
+
+
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def driver_version() -> str | None:
+  """The NVIDIA driver's version (`580.65.06`), from /proc or nvidia-smi, or None."""
+  try:
+    with open("/proc/driver/nvidia/version", encoding="ascii", errors="replace") as f:
+      m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+\.\d+(?:\.\d+)?)", f.read())
+      if m:
+        return m.group(1)
+  except OSError:
+    pass
+  out = _smi(["--query-gpu=driver_version", "--format=csv,noheader"])
+  return out[0].strip() if out else None
+
+
+def check_driver(device: str) -> Check:
+  v = driver_version()
+  if v is None:
+    return _gpu_missing(device, "driver", "no NVIDIA driver found", FIX_DRIVER)
+  major = int(v.split(".")[0])
+  if major < MIN_DRIVER:
+    return Check("fail" if device == "cuda" else "warn", "driver",
+                 f"{v}, older than the {MIN_DRIVER} series", FIX_DRIVER)
+  return Check("ok", "driver", f"{v} (series {major})")
+
+
+def _smi(args: list[str]) -> list[str] | None:
+  smi = shutil.which("nvidia-smi")
+  if smi is None:
+    return None
+  try:
+    p = subprocess.run([smi, *args], capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return [ln for ln in p.stdout.splitlines() if ln.strip()] if p.returncode == 0 else None
+
+
+def gpus() -> list[tuple[str, str, str]]:
+  """(name, compute capability, memory) of each visible GPU, from nvidia-smi."""
+  rows = _smi(["--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader"]) or []
+  out = []
+  for row in rows:
+    parts = [p.strip() for p in row.split(",")]
+    if len(parts) >= 3:
+      out.append((parts[0], parts[1], parts[2]))
+  cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if cvd is not None:
+    keep = [int(p) for p in cvd.split(",") if p.strip().isdigit()]
+    out = [out[i] for i in keep if i < len(out)]
+  return out
+
+
+def check_gpus(device: str) -> list[Check]:
+  found = gpus()
+  if not found:
+    return [_gpu_missing(device, "gpu", "no GPU visible", "check the driver and "
+                         "CUDA_VISIBLE_DEVICES")]
+  out = []
+  for i, (name, cc, mem) in enumerate(found):
+    try:
+      major, minor = (int(x) for x in cc.split("."))
+    except ValueError:
+      major, minor = 0, 0
+    if (major, minor) < MIN_CC:
+      out.append(Check("fail", f"gpu {i}", f"{name}, compute capability {cc}, {mem}",
+                       f"the {name} is below compute capability 8.0 (A100, L4, H100 or newer)"))
+    else:
+      out.append(Check("ok", f"gpu {i}", f"{name}, compute capability {cc}, {mem}"))
+  return out
+
+
+def _find_lib(stem: str) -> str | None:
+  """A CUDA library from the nvidia-* wheels (site-packages/nvidia/...), else the loader's."""
+  for base in sys.path:
+    for pat in (f"nvidia/*/lib/{stem}.so*", f"nvidia/*/*/lib/{stem}.so*",
+                f"nvidia/lib/{stem}.so*"):
+      hits = sorted(glob.glob(os.path.join(base, pat)))
+      if hits:
+        return hits[-1]
+  import ctypes.util
+  found = ctypes.util.find_library(stem[3:])
+  return found
+
+
+def _load(stem: str):
+  path = _find_lib(stem)
+  if path is None:
+    return None, None
+  try:
+    return ctypes.CDLL(path), path
+  except OSError:
+    return None, path
+
+
+def check_cudnn(device: str) -> Check:
+  lib, path = _load("libcudnn")
+  if lib is None:  # optional, as the seed says: never a fail
+    return Check("warn", "cudnn", "cuDNN not loadable; attention and products run the ordinary "
+                 "lowering")
+  try:
+    lib.cudnnGetVersion.restype = ctypes.c_size_t
+    v = int(lib.cudnnGetVersion())
+  except AttributeError:
+    return Check("warn", "cudnn", f"{path}: no cudnnGetVersion")
+  major, minor, patch = v // 10000, (v % 10000) // 100, v % 100
+  if major != 9:
+    return Check("warn", "cudnn", f"{major}.{minor}.{patch}; fused attention needs 9.x")
+  return Check("ok", "cudnn", f"{major}.{minor}.{patch}")
+
+
+def check_lib(device: str, name: str, stem: str) -> Check:
+  lib, path = _load(stem)
+  if lib is None:
+    return _gpu_missing(device, name, f"{stem} not loadable" + (f" ({path})" if path else ""),
+                        FIX_PLUGIN)
+  return Check("ok", name, os.path.basename(path or stem))
+
+
+def check_devices(device: str, environ: Mapping[str, str]) -> Check:
+  value = environ.get("SEXPGPU_DEVICES")
+  visible = len(gpus()) if device == "cuda" else (os.cpu_count() or 1)
+  if device == "cuda" or value:
+    try:
+      got = denv.parse_devices(value, visible)
+    except SxError as e:
+      return _from_error("SEXPGPU_DEVICES", e)
+    return Check("ok", "SEXPGPU_DEVICES", f"{value or 'unset'}: ranks on {device} "
+                 f"{','.join(map(str, got))}")
+  return Check("ok", "SEXPGPU_DEVICES", "unset: one device")
+
+
+def check_nodes(device: str, environ: Mapping[str, str]) -> list[Check]:
+  out = []
+  try:
+    cfg = denv.parse_nodes(environ, device)
+    out.append(Check("ok", "nodes", "one node" if cfg is None else
+                     f"node {cfg.rank} of {cfg.nodes}, rendezvous {cfg.rendezvous}, "
+                     f"{cfg.gradients} gradients between nodes"))
+  except SxError as e:
+    out.append(_from_error("nodes", e))
+  try:
+    out.append(Check("ok", "SEXPGPU_RENDEZVOUS_TIMEOUT", f"{denv.rendezvous_timeout(environ):g} s"))
+  except SxError as e:
+    out.append(_from_error("SEXPGPU_RENDEZVOUS_TIMEOUT", e))
+  if environ.get("SEXPGPU_MEMORY"):
+    try:
+      out.append(Check("ok", "SEXPGPU_MEMORY",
+                       f"plans against {denv.parse_memory(environ['SEXPGPU_MEMORY'])} bytes"))
+    except SxError as e:
+      out.append(_from_error("SEXPGPU_MEMORY", e))
+  return out
+
+
+def check_cache(environ: Mapping[str, str]) -> Check:
+  cache = environ.get("SEXPGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "sexpgpu")
+  try:
+    os.makedirs(cache, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=cache, prefix=".doctor-") as f:
+      f.write(b"probe")
+      f.flush()
+  except OSError as e:
+    return Check("fail", "cache", f"{cache} is not writable ({e.strerror or e})",
+                 "set SEXPGPU_CACHE_DIR to a writable folder")
+  return Check("ok", "cache", f"{cache} writable")
+
+
+def check_endpoint(environ: Mapping[str, str], timeout: float = 5.0) -> Check:
+  url = environ.get("AWS_ENDPOINT_URL") or environ.get("AWS_ENDPOINT_URL_S3")
+  if not url:
+    region = environ.get("AWS_DEFAULT_REGION") or environ.get("AWS_REGION") or "us-east-1"
+    url = f"https://s3.{region}.amazonaws.com"
+  u = urllib.parse.urlparse(url)
+  host, port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+  try:
+    with socket.create_connection((host, port), timeout=timeout):
+      pass
+  except OSError as e:
+    return Check("fail", "s3 endpoint", f"{u.scheme}://{host}:{port} does not answer "
+                 f"({e.strerror or e})", "check AWS_ENDPOINT_URL and the network")
+  return Check("ok", "s3 endpoint", f"{u.scheme}://{host}:{port} answers")
+
+
+def check_checkpoints(environ: Mapping[str, str]) -> list[Check]:
+  from sexpgpu.ckpt.store import CheckpointStore
+  from sexpgpu.ckpt.where import is_remote, scrub
+  loc = environ.get("SEXPGPU_CHECKPOINT_DIR")
+  if not loc:
+    return [Check("ok", "checkpoints", "SEXPGPU_CHECKPOINT_DIR unset: none written")]
+  out = []
+  if loc.startswith("s3://"):
+    out.append(check_endpoint(environ))
+    if out[-1].status == "fail":
+      return out
+  try:
+    store = CheckpointStore(loc, ".sexpgpu-doctor", 1, where="SEXPGPU_CHECKPOINT_DIR")
+    store.check_writable()
+    if not is_remote(loc):
+      _read_back(store.run_dir)
+  except SxError as e:
+    out.append(_from_error("checkpoints", e))
+    return out
+  except OSError as e:
+    out.append(Check("fail", "checkpoints", f"{scrub(loc)} cannot be read back ({e})",
+                     "a checkpoint location this user can write and read"))
+    return out
+  out.append(Check("ok", "checkpoints", f"{scrub(loc)} writable and readable"))
+  return out
+
+
+def _read_back(folder: str) -> None:
+  path = os.path.join(folder, ".probe-read")
+  try:
+    with open(path, "wb") as f:
+      f.write(b"probe")
+    with open(path, "rb") as f:
+      if f.read() != b"probe":
+        raise OSError("read back differs")
+  finally:
+    try:
+      os.remove(path)
+      os.rmdir(folder)
+    except OSError:
+      pass
+
+
+def run_checks(device: str = "cpu", environ: Mapping[str, str] | None = None) -> list[Check]:
+  """Every check, in the order printed.
+
+  Args:
+    device: "cpu" (GPU findings are warnings) or "cuda" (they fail).
+    environ: the environment (default os.environ).
+  """
+  environ = os.environ if environ is None else environ
+  checks: list[Check] = [check_python(), *check_jax(), check_plugin(device), check_driver(device),
+                         *check_gpus(device), check_cudnn(device),
+                         check_lib(device, "nvrtc", "libnvrtc"),
+                         check_lib(device, "cublas", "libcublas"),
+                         check_devices(device, environ), *check_nodes(device, environ),
+                         check_cache(environ), *check_checkpoints(environ)]
+  return checks
+
+
+def doctor(device: str = "cpu", environ: Mapping[str, str] | None = None,
+           write: Callable[[str], None] | None = None) -> int:
+  """Runs every check and prints one line each; returns 0 when nothing fails, else 1."""
+  write = write or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
+  failed = False
+  for c in run_checks(device, environ):
+    write(c.line())
+    failed |= c.status == "fail"
+  return 1 if failed else 0
