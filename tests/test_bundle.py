@@ -68,6 +68,12 @@ def test_bundle_runs_elsewhere_with_the_same_summary(char_bundle, tmp_path):
   assert r.returncode == 0, r.stderr
   assert _summary(r.stdout) == original
   assert open_bundle(str(elsewhere / "copy.sxb"))[0] == sx  # extracted once, reused
+  # as a user runs it: `sexpgpu run copy.sxb` from a folder without the original files
+  r = subprocess.run(sexpgpu_cmd("run", "copy.sxb", "--json"), cwd=elsewhere, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert r.stderr.startswith("run: copy.sxb slug ")
+  assert _summary(r.stdout) == original
 
 
 def _rewrite(src, dst, change):

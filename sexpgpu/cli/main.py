@@ -89,10 +89,19 @@ def cmd_run(argv: list[str]) -> int:
   from sexpgpu.run.loop import run_compiled
   fv = _run_flags()
   rest = _parse(fv, argv, "run")
-  path = _one_file(rest, "run")
-  opts = run_options(path, fv)
+  given = _one_file(rest, "run")
+  path, variant, sets = given, fv.variant, _sets(fv.set)
+  if given.endswith(".sxb"):
+    from sexpgpu.tools.bundle import open_bundle
+    path, bundled_variant, bundled_sets = open_bundle(given)
+    if variant is not None and variant != bundled_variant:
+      raise SxError("E-VARIANT-001", f"the bundle was made with --variant {bundled_variant}; "
+                    f"--variant {variant} cannot replace it", where="--variant",
+                    fix="drop --variant; a bundle runs its own selection")
+    variant, sets = bundled_variant, bundled_sets + sets  # a --set given here wins
+  opts = run_options(given, fv)
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
-  compiled = compile_file(path, fv.variant, _sets(fv.set), overrides, fv.diagnostics)
+  compiled = compile_file(path, variant, sets, overrides, fv.diagnostics)
   summary = run_compiled(compiled, opts)
   if fv.json:
     import json

@@ -148,7 +148,7 @@ class Trainer:
     store, resume_dir, resume_text = self._checkpoint_setup()
     self.metrics = open_metrics(o.metrics, c.slug)
     self._log(output.config_line(
-        c.program.path, c.slug, o.device, self.steps, self.k, _evals_field(c.exp.passes, self.every),
+        o.file, c.slug, o.device, self.steps, self.k, _evals_field(c.exp.passes, self.every),
         ",".join(c.diagnostics) or "-", self.run_knobs["precision"], self.run_knobs["seed"],
         o.checkpoint_dir or "-", resume_text, o.status or "-", ranks=device.ranks))
     if self.metrics.describe():
