@@ -61,19 +61,22 @@ class TrainStep:
 
   def __post_init__(self):
     self.ranks = 1 if self.mesh is None else self.mesh.size
+    self.notes: list = []  # what lowering rules chose (cuDNN, Pallas or XLA attention, ...)
+    self.metric_names = ["loss", "grad_norm", "lr", "finite"] + ["diag/" + d.name
+                                                                  for d in self.diags]
     if self.ranks > 1:
       self._fused = jax.jit(self._dp_step, donate_argnums=(0,))
-      self._grads = jax.jit(self._dp_grads)
     else:
       self._fused = jax.jit(self._full_step, donate_argnums=(0,))
-      self._grads = jax.jit(self._stacked_grads)
+    self._grads = jax.jit(self._chunk_grads, donate_argnums=(4, 5))
+    self._zeros_fn = jax.jit(self._zeros, out_shardings=self._sharding("rep"))
     self._update = jax.jit(self._apply, donate_argnums=(0,))
-    self._fused_exec = None
+    self._fused_exec = self._grads_exec = self._update_exec = None
 
   # a microbatch's loss and gradient; dropout's key from (seed, step, microbatch)
   def _loss_and_grad(self, params, batch, step, index):
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
-    ctx = LowerCtx(self.precision, rng, True)
+    ctx = LowerCtx(self.precision, rng, True, self.notes)
 
     def loss_fn(p):
       taps = {} if any(d.kind == "tap" for d in self.diags) else None
@@ -132,7 +135,9 @@ class TrainStep:
     new_state["opt"] = keep(new_opt, opt)
     new_state["step"] = state["step"] + 1
     new_state["skipped"] = state["skipped"] + jnp.where(ok, 0, 1).astype(jnp.int32)
-    return new_state, metrics
+    # one f32 vector, so reading a step's numbers is a single transfer
+    return new_state, jnp.stack([jnp.asarray(metrics[n], jnp.float32)
+                                 for n in self.metric_names])
 
   def _full_step(self, state, batches):
     loss, grads, _, tapped = self._stacked_grads(state["params"], batches, state["step"], 0)
@@ -164,37 +169,55 @@ class TrainStep:
 
     return self._shard(inner, (P(), P("data")), (P(), P()))(state, batches)
 
-  def _dp_grads(self, params, batches, step, offset):
+  def _chunk_local(self, params, batches, step, c, acc_loss, acc_grads):
+    """Adds chunk c's loss and gradients (microbatches c·S … (c+1)·S − 1) to the sums."""
+    s = self.stacking
+    chunk = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, c * s, s), batches)
+    if self.ranks > 1:
+      loss, grads, tapped = self._dp_local_grads(params, chunk, step, c * s)
+    else:
+      loss, grads, _, tapped = self._stacked_grads(params, chunk, step, c * s)
+    return acc_loss + loss, jax.tree_util.tree_map(jnp.add, acc_grads, grads), tapped
+
+  def _chunk_grads(self, params, batches, step, c, acc_loss, acc_grads):
+    if self.ranks == 1:
+      return self._chunk_local(params, batches, step, c, acc_loss, acc_grads)
     from jax.sharding import PartitionSpec as P
+    return self._shard(self._chunk_local, (P(), P("data"), P(), P(), P(), P()),
+                       (P(), P(), P()))(params, batches, step, c, acc_loss, acc_grads)
 
-    def inner(params, batches, step, offset):
-      loss, grads, tapped = self._dp_local_grads(params, batches, step, offset)
-      return loss, grads, None, tapped
+  def _sharding(self, kind: str):
+    """Replicated ("rep") or split over ranks ("data") on the mesh; None on one device."""
+    if self.mesh is None:
+      return None
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return NamedSharding(self.mesh, P() if kind == "rep" else P("data"))
 
-    return self._shard(inner, (P(), P("data"), P(), P()), (P(), P(), P(), P()))(
-        params, batches, step, offset)
+  def _placed(self, tree, kind: str):
+    """Abstract values carrying the shardings the real arguments will have."""
+    sh = self._sharding(kind)
+    if sh is None:
+      return tree
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                  tree)
+
+  def _zeros(self, params):
+    return jnp.float32(0.0), jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                                                    params)
 
   def __call__(self, state, batches):
     """One optimizer step over `batches` (leading axis K); returns (state, metrics)."""
-    s, k = self.stacking * self.ranks, self.microbatches
-    if s == k:
-      if self._fused_exec is not None:
-        return self._fused_exec(state, batches)
-      return self._fused(state, batches)
-    loss, grads, tapped = None, None, []
-    per_rank, st = k // self.ranks, self.stacking
-    for c in range(k // s):
-      # chunk c holds microbatches c·S … (c+1)·S − 1 of every rank's share
-      idx = np.concatenate([np.arange(r * per_rank + c * st, r * per_rank + (c + 1) * st)
-                            for r in range(self.ranks)])
-      chunk = jax.tree_util.tree_map(lambda x: x[idx], batches)
-      offset = jnp.int32(c * st) if self.ranks > 1 else jnp.int32(c * s)
-      l, g, _, t = self._grads(state["params"], chunk, state["step"], offset)
-      loss = l if loss is None else loss + l
-      grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
+    if self.stacking * self.ranks == self.microbatches:
+      return (self._fused_exec or self._fused)(state, batches)
+    # K/S calls of the stacked gradient graph, each adding into f32 sums, then one update.
+    loss, grads = self._zeros_fn(state["params"])
+    fn = self._grads_exec or self._grads
+    tapped = []
+    for c in range(self.microbatches // self.ranks // self.stacking):
+      loss, grads, t = fn(state["params"], batches, state["step"], jnp.int32(c), loss, grads)
       tapped.append(t)
     tap = {n: jnp.concatenate([t[n] for t in tapped]) for n in (tapped[0] if tapped else {})}
-    return self._update(state, loss, grads, tap)
+    return (self._update_exec or self._update)(state, loss, grads, tap)
 
   def compile(self, state, batches):
     """Compiles the step ahead of time for these (abstract) inputs; returns the executable."""
@@ -204,14 +227,32 @@ class TrainStep:
       self._fused_exec = compiled
     return compiled
 
+  def executables(self, state, batches) -> dict:
+    """Every executable of one step, compiled for abstract inputs (memory plan, cost model).
+
+    The fused step is one executable; a stacked step is its gradient call and its update.
+    """
+    if self.stacking * self.ranks == self.microbatches:
+      return {"train step": self.compile(state, batches)}
+    grads = self.compile(state, batches)
+    state = self._placed(state, "rep")
+    params = state["params"]
+    f32 = self._placed(jax.tree_util.tree_map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params), "rep")
+    loss = self._placed(jax.ShapeDtypeStruct((), jnp.float32), "rep")
+    tapped = self._placed({d.name: jax.ShapeDtypeStruct((self.microbatches,), jnp.float32)
+                           for d in self.diags if d.kind == "tap"}, "rep")
+    update = self._update.lower(state, loss, f32, tapped).compile()
+    self._grads_exec, self._update_exec = grads, update
+    return {"gradient call": grads, "update": update}
+
   def lowered(self, state, batches):
     """The fused step lowered for abstract inputs (for memory and cost analysis)."""
+    state, batches = self._placed(state, "rep"), self._placed(batches, "data")
     if self.stacking * self.ranks == self.microbatches:
       return self._fused.lower(state, batches)
-    chunk = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((self.stacking * self.ranks,) + x.shape[1:], x.dtype),
-        batches)
-    return self._grads.lower(state["params"], chunk, state["step"], jnp.int32(0))
+    loss, grads = self._placed(jax.eval_shape(self._zeros, state["params"]), "rep")
+    return self._grads.lower(state["params"], batches, state["step"], jnp.int32(0), loss, grads)
 
 
 class PassStep:
@@ -227,7 +268,14 @@ class PassStep:
     return {name: run_graph(g, params, batch, ctx)["out"].astype(jnp.float32)
             for name, g in self.graphs.items()}
 
+  def compile(self, params, batch):
+    """Compiles the pass for abstract inputs; later calls use the executable."""
+    self._exec = self._fn.lower(params, batch).compile()
+    return self._exec
+
   def __call__(self, params, batch):
+    if getattr(self, "_exec", None) is not None:
+      return self._exec(params, batch)
     return self._fn(params, batch)
 
 

@@ -15,6 +15,7 @@ from sexpgpu.ir.experiment import Experiment, LoaderDecl, evaluate
 from sexpgpu.ir.graph import Graph, Param
 from sexpgpu.ir.ops import dtype_name
 from sexpgpu.ir.printer import fingerprint, print_graph
+from sexpgpu.ir.rewrite import rewrite
 from sexpgpu.lang.program import Program, load_program, load_text
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT, Selection, format_value, select
 
@@ -71,6 +72,8 @@ class Compiled:
   graph_fingerprint: str
   graph_seconds: float
   diagnostics: list[str]
+  regions: list = dataclasses.field(default_factory=list)
+  patterns: bool = True
 
   @property
   def slug(self) -> str:
@@ -108,6 +111,12 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
     loaders[name] = ld
     fields[name] = {f: (dtype_name(dt), tuple(sh)) for f, (sh, dt) in ld.fields.items()}
   stages = _stages(program, selection, exp, fields, taps)
+  patterns = os.environ.get("SEXPGPU_PATTERNS", "on") != "off"
+  regions: list = []
+  for st in stages:
+    st.graph, found = rewrite(st.graph, patterns)
+    if st.index == 0:
+      regions = found
   passes = {}
   builder = stages[0].exp.builder()
   builder.params = dict(stages[0].graph.params)
@@ -116,7 +125,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
     for mname, fn in p.metrics:
       g, out = builder.build(f"{pname}/{mname}", fn, fields[p.data], allow_new_params=False)
       _check_scalar(out, f"metric {mname} of pass {pname}", p.loc, builder)
-      graphs[mname] = g
+      graphs[mname] = rewrite(g, patterns)[0]
     passes[pname] = graphs
   params = dict(stages[0].graph.params)
   ir = "\n\n".join(print_graph(s.graph, with_locs=False) for s in stages)
@@ -127,7 +136,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
   shapes = "\n".join(f"{n}:{sorted(f.items())}" for n, f in sorted(fields.items()))
   return Compiled(program, selection, exp, stages, passes, params, fields, loaders,
                   fingerprint(ir + "\n" + knobs), fingerprint(ir + "\n" + shapes),
-                  time.perf_counter() - t0, selected)
+                  time.perf_counter() - t0, selected, regions, patterns)
 
 
 def compile_source(text: str, name: str = "experiment.sx", base_dir: str | None = None,

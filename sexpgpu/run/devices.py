@@ -77,6 +77,13 @@ class Placement:
       return self._jax.device_put(tree, self.first)
     return self._jax.device_put(tree, self._rep)
 
+  def abstract(self, tree):
+    """Abstract values placed as `replicate` would place them (for compiling ahead of time)."""
+    if self.mesh is None:
+      return tree
+    return self._jax.tree_util.tree_map(
+        lambda x: self._jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rep), tree)
+
   def shard(self, tree):
     """Places a pytree whose leading axis (microbatches) is split over the ranks."""
     if self.mesh is None:

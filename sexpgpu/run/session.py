@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -61,6 +62,7 @@ class Session:
     self.pass_times: dict[str, list[float]] = {p: [] for p in compiled.passes}
     self.first_pass: dict[str, float] = {}
     self.last_ckpt: str | None = None
+    self._status_at = 0.0
     self.diags = tuple(Diag(n, d.kind, d.arg, d.reduce) for n, d in
                        ((n, compiled.exp.diagnostics[n]) for n in compiled.diagnostics))
     self._train_steps: dict[int, TrainStep] = {}
@@ -70,14 +72,15 @@ class Session:
     self.peak = device_peak(device.first, self.precision)
 
   # --- pieces ----------------------------------------------------------------
-  def train_step(self) -> TrainStep:
-    if self.stage not in self._train_steps:
+  def train_step(self, degree: int | None = None) -> TrainStep:
+    """The current stage's step at a stacking degree (the chosen one by default)."""
+    key = (self.stage, degree or self.stacking)
+    if key not in self._train_steps:
       st = self.c.stages[self.stage]
       opt, sched = make_optimizer(st.exp.optimizer, self.steps)
-      self._train_steps[self.stage] = TrainStep(st.graph, opt, sched, self.precision, self.k,
-                                                self.stacking, self.seed, self.on_nan, self.diags,
-                                                self.place.mesh)
-    return self._train_steps[self.stage]
+      self._train_steps[key] = TrainStep(st.graph, opt, sched, self.precision, self.k, key[1],
+                                         self.seed, self.on_nan, self.diags, self.place.mesh)
+    return self._train_steps[key]
 
   def pass_every(self, p) -> int | None:
     return p.every if self.every_override is None else self.every_override
@@ -134,6 +137,9 @@ class Session:
 
   def set_status(self, state: str, step: int, force: bool = True) -> None:
     now = time.time()
+    if not force and now - self._status_at < 1.0:
+      return  # written at most once a second while training
+    self._status_at = now
     sps = None
     eta = None
     if self.step_times:
@@ -142,10 +148,7 @@ class Session:
     fields = dict(self.status_base, state=state, step=step, train_loss=self.train_loss,
                   last_pass=dict(self.last_pass), counters=dict(self.counters),
                   steps_per_second=sps, eta_seconds=eta)
-    if force:
-      self.status.write(fields)
-    else:
-      self.status.maybe_update(now, **fields)
+    self.status.write(fields)
 
   # --- checkpoints ------------------------------------------------------------
   def meta(self, step: int) -> dict:
@@ -218,33 +221,84 @@ class Session:
                   "without --resume")
 
   # --- the loop -------------------------------------------------------------
+  def _abstract_batches(self, loader_name: str, lead: tuple) -> dict:
+    return {f: jax.ShapeDtypeStruct(lead + sh, jnp.dtype(_np(dt)))
+            for f, (dt, sh) in self.c.fields[loader_name].items()}
+
+  def _plan(self, fixed: int | None):
+    """Compiles the steps abstractly, plans memory (E-MEM-001) and chooses the stacking."""
+    from sexpgpu.run import plan
+    from sexpgpu.run.compile import cache_dir
+    c = self.c
+    batches = self._abstract_batches(c.stages[self.stage].data, (self.k,))
+    rep = self.place.abstract
+    pass_inputs = {n: (rep(self.state["params"]), rep(self._abstract_batches(p.data, ())))
+                   for n, p in c.exp.passes.items()}
+    choice = plan.choose(self.train_step, self.k // self.place.ranks, fixed, self.state, batches,
+                         self._pass_steps, pass_inputs, self.device, self.store is not None,
+                         c.graph_fingerprint, cache_dir(), c.selection.knobs)
+    self.choice = choice
+    self.stacking = choice.degree
+    self._annotate(choice)
+    return choice
+
+  def _annotate(self, choice) -> None:
+    from sexpgpu.devices.report import lowering_annotation, lowering_report
+    compiled = next(iter(choice.executables.values()))
+    patterns = self.c.patterns
+    regions = region_lines(self.c.regions, self.train_step().notes)
+    ann = lowering_annotation(self.device, patterns, regions, compiled, choice.plan, choice.text)
+    self.metrics.emit("annotation", name="lowering", text="\n".join(ann["lines"]),
+                      **{k: v for k, v in ann.items() if k not in ("kind", "lines")})
+    self.metrics.emit("annotation", name="memory", text=choice.plan.text(),
+                      parts=choice.plan.parts, peak_at=choice.plan.peak_at,
+                      total=choice.plan.total, free=choice.plan.free)
+    self._emit_stacking(choice)
+    if self.device.platform != "cpu":
+      for line in lowering_report(self.device, patterns, regions, compiled, choice.plan,
+                                  choice.text):
+        self.log(line)
+
+  def _measure(self, batches) -> None:
+    from sexpgpu.run import plan
+    from sexpgpu.run.compile import cache_dir
+    self.choice = plan.measure(self.choice, self.train_step, self.state, batches,
+                               self.k // self.place.ranks, self.c.graph_fingerprint, self.device,
+                               cache_dir())
+    self.stacking = self.choice.degree
+    self._emit_stacking(self.choice)
+
+  def _emit_stacking(self, choice) -> None:
+    self.metrics.emit("annotation", name="stacking", text=choice.text, degree=choice.degree,
+                      how=choice.how, plans={str(d): t for d, t in choice.totals.items()},
+                      predicted={str(d): t for d, t in choice.predicted.items()})
+
   def train(self, resume_dir: str | None, sig, t_setup: float, open_s: float):
     from sexpgpu.run.loop import Summary
     t0 = time.perf_counter()
     self.t_first_step = None
     c = self.c
-    st = self.train_step()
-    # The parameters are built abstractly first, so a restore allocates them once.
-    self.state = jax.eval_shape(lambda: init_state(init_params(self.seed, c.params),
-                                                   st.optimizer))
-    start = 0
+    fixed = self.o.stacking
+    resume_meta = None
+    if resume_dir is not None:
+      from sexpgpu.ckpt import read_meta
+      resume_meta = read_meta(resume_dir)
+      self._check_same(resume_meta, resume_dir)
+      self.stage = int(resume_meta["stage"])
+      fixed = int(resume_meta.get("stacking", self.stacking))  # a resume keeps its stacking
+    # Everything is planned on abstract values: no initializer runs before the plan fits.
+    opt, _ = make_optimizer(c.stages[self.stage].exp.optimizer, self.steps)
+    self.state = jax.eval_shape(lambda: init_state(init_params(self.seed, c.params), opt))
+    choice = self._plan(fixed)
     if resume_dir is not None:
       start = self.restore(resume_dir)
-      st = self.train_step()
     else:
+      start = 0
       with jax.default_device(self.device):
-        self.state = self.place.replicate(init_state(init_params(self.seed, c.params),
-                                                     st.optimizer))
+        self.state = self.place.replicate(init_state(init_params(self.seed, c.params), opt))
     resumed_at = start if resume_dir is not None else None
-    batches0 = {f: jax.ShapeDtypeStruct((self.k,) + sh, jnp.dtype(_np(dt)))
-                for f, (dt, sh) in c.fields[c.stages[self.stage].data].items()}
-    st.compile(jax.eval_shape(lambda: self.state), batches0)
     step0_s = time.perf_counter() - t0
-    if self.store is not None and self.store.latest() is None and False:
-      pass
     self.run_passes(start, start == self.steps, resumed_at)
-    if start == self.steps and resumed_at is None:
-      pass
     stopped_by = None
     step = start
     self.set_status("running", step)
@@ -252,15 +306,17 @@ class Session:
       if sig.received is not None:
         stopped_by = sig.received
         break
-      st = self.train_step()
       loader = c.loaders[c.stages[self.stage].data]
       mbs = [loader.next() for _ in range(self.k)]
       batches = self.place.shard(_stack(mbs))
+      if self.choice.how == "measure":
+        self._measure(batches)
+      st = self.train_step()
       t = time.perf_counter()
       if self.t_first_step is None:
         self.t_first_step = t
       self.state, m = st(self.state, batches)
-      m = jax.device_get(m)  # host sync: the step event needs its numbers
+      m = dict(zip(st.metric_names, np.asarray(m).tolist()))  # host sync: the step's numbers
       dt = time.perf_counter() - t
       step += 1
       self.step_times.append(dt)
@@ -329,6 +385,28 @@ class Session:
       dd = self.c.exp.diagnostics[d.name]
       if step % max(dd.every, 1) == 0:
         self.metrics.emit("diagnostic", step=step, name=d.name, value=float(m["diag/" + d.name]))
+
+
+def region_lines(regions, notes) -> list[tuple[str, str]]:
+  """The lowering report's region lines: what each recognized region became."""
+  out = []
+  att = [r for r in regions if r.kind == "attention"]
+  if att:
+    n = sum(r.times for r in att)
+    impls = sorted({nt["impl"] for nt in notes if nt.get("kind") == "attention"})
+    whys = sorted({nt.get("why") for nt in notes if nt.get("kind") == "attention" and nt.get("why")})
+    how = {"cudnn": "cudnn fused attention", "pallas": "Pallas flash attention",
+           "xla": "XLA attention"}
+    became = " + ".join(how[i] for i in impls) or "XLA attention"
+    causal = "causal" if all(r.detail.startswith("causal") for r in att) else "mixed masks"
+    text = f"{n} region{'s' if n != 1 else ''} → {became} ({causal})"
+    if whys and "cudnn" not in impls:
+      text += f": {'; '.join(whys)}"
+    out.append(("attention", text))
+  for r in regions:
+    if r.kind == "cross-entropy":
+      out.append(("cross-entropy", f"{r.times} region → chunked, {r.detail}"))
+  return out
 
 
 def _np(dt: str):

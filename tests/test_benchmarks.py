@@ -1,0 +1,41 @@
+"""benchmarks/bench_train.py at a tiny shape: it runs every leg and the legs agree."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+BENCH = os.path.join(ROOT, "benchmarks", "bench_train.py")
+
+
+def _have_torch() -> bool:
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+@pytest.mark.slow
+def test_bench_train_tiny_smoke(tmp_path):
+  legs = "sexpgpu,jax,torch" if _have_torch() else "sexpgpu,jax"  # CI installs no torch
+  out = tmp_path / "bench.json"
+  r = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--steps", "3", "--warmup", "1",
+                      "--rounds", "1", "--legs", legs, "--json", str(out)],
+                     capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "ratio tiny sexpgpu/jax: step " in r.stdout
+  if "torch" in legs:
+    assert "ratio tiny sexpgpu/torch: step " in r.stdout
+  res = json.loads(out.read_text())[0]
+  assert set(res["legs"]) == set(legs.split(","))
+  ref = res["legs"]["sexpgpu"]["loss"]
+  assert len(ref) == 4
+  # identical init and data: the legs' losses agree (step 1 is log V: the unembed starts at 0)
+  for leg, x in res["legs"].items():
+    assert x["loss"][:3] == pytest.approx(ref[:3], abs=1e-4), leg
+    assert x["tok_s"] > 0 and x["first_s"] > 0 and x["rss_mib"] > 0

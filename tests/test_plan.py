@@ -1,0 +1,114 @@
+"""The memory plan before any initializer (E-MEM-001) and every way of choosing the stacking."""
+
+import json
+import os
+import subprocess
+
+import jax
+import pytest
+
+import sexpgpu
+from conftest import ROOT, sexpgpu_cmd
+
+GPT = os.path.join(ROOT, "configs", "gpt2-small.sx")
+TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+
+
+def _annotations(path, name):
+  return [e for e in map(json.loads, open(path)) if e["kind"] == "annotation"
+          and e["name"] == name]
+
+
+def test_64mib_refuses_gpt2_smoke_before_any_initializer(monkeypatch, tmp_path):
+  import sexpgpu.run.session as session
+  concrete = []
+  real = session.init_params
+
+  def spy(seed, params):
+    out = real(seed, params)
+    if any(not isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(out)):
+      concrete.append(True)
+    return out
+
+  monkeypatch.setattr(session, "init_params", spy)
+  monkeypatch.setenv("SEXPGPU_MEMORY", "64MiB")
+  exp = sexpgpu.compile(GPT, variant="smoke")
+  status = tmp_path / "s.json"
+  with pytest.raises(sexpgpu.SxError) as e:
+    exp.run(steps=2, status=str(status))
+  assert e.value.code == "E-MEM-001"
+  assert "parameters" in str(e.value) and "SEXPGPU_MEMORY=64MiB" in str(e.value)
+  assert "--set batch=1" in str(e.value)  # the experiment's own knob that would shrink it
+  assert concrete == []
+  assert json.load(open(status))["state"] == "failed"
+
+
+def test_64mib_refusal_from_the_command_line(tmp_path):
+  env = dict(os.environ, SEXPGPU_MEMORY="64MiB")
+  p = subprocess.run(sexpgpu_cmd("run", GPT, "--variant", "smoke", "--steps", "2"), cwd=ROOT,
+                     env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 1 and "error[E-MEM-001]" in p.stderr, p.stderr
+  assert "step 0/" not in p.stderr and "Traceback" not in p.stderr
+
+
+def _run(tmp_path, name, env=None, extra=()):
+  m = tmp_path / f"{name}.jsonl"
+  e = dict(os.environ)
+  e.update(env or {})
+  p = subprocess.run(sexpgpu_cmd("run", TINY, "--variant", "smoke", "--set", "microbatches=4",
+                                 "--steps", "2", "--eval-every", "0", "--metrics", f"jsonl:{m}",
+                                 *extra), cwd=ROOT, env=e, capture_output=True, text=True,
+                     timeout=600)
+  assert p.returncode == 0, p.stderr
+  return _annotations(m, "stacking")[-1], m
+
+
+def test_fixed_stacking(tmp_path):
+  st, _ = _run(tmp_path, "fixed", {"SEXPGPU_STACKING": "2"})
+  assert st["how"] == "fixed" and st["degree"] == 2 and st["text"] == "2: SEXPGPU_STACKING"
+
+
+def test_only_one_fits(tmp_path):
+  st, _ = _run(tmp_path, "all")
+  plans = {int(d): t for d, t in st["plans"].items()}
+  assert set(plans) == {1, 2, 4}
+  small = min(plans, key=plans.get)
+  others = sorted(t for d, t in plans.items() if d != small)
+  assert plans[small] < others[0]
+  memory = (plans[small] + others[0]) // 2
+  st2, m = _run(tmp_path, "only", {"SEXPGPU_MEMORY": str(memory)})
+  assert st2["how"] == "only" and st2["degree"] == small
+  assert st2["text"] == f"{small}: the only one that fits"
+  mem = _annotations(m, "memory")[-1]
+  assert mem["total"] <= memory and set(mem["parts"]) >= {"parameters", "optimizer states",
+                                                          "gradients and accumulators"}
+
+
+def test_cost_model_chooses_when_predictions_differ(tmp_path):
+  st, _ = _run(tmp_path, "model", {"SEXPGPU_CACHE_DIR": str(tmp_path / "cache")})
+  assert st["how"] in ("model", "measured")
+  preds = {int(d): t for d, t in st["predicted"].items()}
+  if st["how"] == "model":
+    assert st["degree"] == min(preds, key=preds.get)
+    assert st["text"].startswith(f"{st['degree']}: the cost model (")
+
+
+def test_measured_when_close_then_remembered(monkeypatch, tmp_path):
+  import sexpgpu.run.plan as plan
+  monkeypatch.setattr(plan, "predict", lambda *a, **k: 0.001)  # a tie: measure
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
+  exp = sexpgpu.compile(TINY, variant="smoke", set={"microbatches": 4})
+  m1 = tmp_path / "1.jsonl"
+  first = exp.run(steps=3, metrics=f"jsonl:{m1}")
+  notes = _annotations(m1, "stacking")
+  assert notes[0]["how"] == "measure" and notes[-1]["how"] == "measured"
+  assert "measured at the first step, the model within 5% could not separate them" in \
+      notes[-1]["text"]
+  choices = json.load(open(tmp_path / "cache" / "choices.json"))
+  (entry,) = choices.values()
+  assert entry["degree"] == notes[-1]["degree"] and set(entry["measured_s"]) == {"1", "2", "4"}
+  m2 = tmp_path / "2.jsonl"
+  second = exp.run(steps=3, metrics=f"jsonl:{m2}")
+  again = _annotations(m2, "stacking")[-1]
+  assert again["how"] == "remembered" and again["degree"] == entry["degree"]
+  assert second.train_loss == first.train_loss  # the same degree, the same sums

@@ -1,0 +1,1 @@
+"""Code kept apart from sexpgpu proper: hand-written kernels the lowering may choose."""
