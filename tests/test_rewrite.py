@@ -14,6 +14,12 @@ from sexpgpu.ir.verify import verify
 from sexpgpu.lower.interp import run_graph
 from sexpgpu.run.compile import compile_file, compile_source
 
+
+@pytest.fixture(autouse=True)
+def _patterns_off_in_the_pipeline(monkeypatch):
+  """Graphs come from the pipeline unrewritten, so each test applies `rewrite` itself."""
+  monkeypatch.setenv("SEXPGPU_PATTERNS", "off")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -66,7 +72,9 @@ def rewritten(c, **kw) -> tuple[Graph, Graph, list[Region]]:
 # --- attention ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
-  return compile_file(os.path.join(ROOT, "configs/tiny-lm.sx"))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("SEXPGPU_PATTERNS", "off")
+    return compile_file(os.path.join(ROOT, "configs/tiny-lm.sx"))
 
 
 def test_attention_fires_on_std_attention(tiny):

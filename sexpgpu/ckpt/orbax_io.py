@@ -28,6 +28,17 @@ quiet()
 import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
 
 
+def _alone() -> ocp.options.MultiprocessingOptions:
+  """Orbax working for this process alone: with several nodes, node 0 writes by itself
+  (from host copies of the state) and every node reads by itself, so no orbax call waits
+  on a collective that the other nodes never join."""
+  me = jax.process_index()
+  if jax.process_count() == 1:
+    return ocp.options.MultiprocessingOptions()
+  return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                            barrier_sync_key_prefix=f"sexpgpu-node{me}")
+
+
 def manager(root: str, keep: int | None, asynchronous: bool) -> ocp.CheckpointManager:
   """A CheckpointManager writing `<root>/<step>/{state,meta}` atomically.
 
@@ -39,9 +50,13 @@ def manager(root: str, keep: int | None, asynchronous: bool) -> ocp.CheckpointMa
   Returns:
     The manager.
   """
+  alone = jax.process_count() > 1
+  if alone:  # orbax creates the folder only when every process takes part
+    import os
+    os.makedirs(root, exist_ok=True)
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, cleanup_tmp_directories=True,
-      enable_async_checkpointing=asynchronous)
+      max_to_keep=keep, create=not alone, cleanup_tmp_directories=True,
+      enable_async_checkpointing=asynchronous, multiprocessing_options=_alone())
   return ocp.CheckpointManager(root, options=options, item_names=("state", "meta"))
 
 
@@ -61,9 +76,17 @@ def abstract(tree: Any) -> Any:
   return jax.tree.map(leaf, tree)
 
 
+def _checkpointer() -> ocp.Checkpointer:
+  opts = _alone()
+  from orbax.checkpoint._src.handlers.composite_checkpoint_handler import CompositeOptions
+  handler = ocp.CompositeCheckpointHandler(
+      composite_options=CompositeOptions(multiprocessing_options=opts))
+  return ocp.Checkpointer(handler, multiprocessing_options=opts)
+
+
 def restore(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
   """Restores state and meta from a complete local step folder."""
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+  with _checkpointer() as ckptr:
     out = ckptr.restore(step_dir, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract(abstract_state)),
         meta=ocp.args.JsonRestore()))
@@ -72,7 +95,7 @@ def restore(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
 
 def restore_meta(step_dir: str) -> dict:
   """Restores only the meta JSON of a local step folder."""
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+  with _checkpointer() as ckptr:
     out = ckptr.restore(step_dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
   return out.meta
 

@@ -57,13 +57,19 @@ class TrainStep:
   seed: int
   on_nan: str
   diags: tuple[Diag, ...] = ()
-  mesh: Any = None  # a 1-D mesh over the data-parallel ranks, or None for one device
+  mesh: Any = None  # the data-parallel mesh: ("data",), or ("node", "gpu") over nodes
+  node_gradients: str = "f32"  # between nodes: "f32" exact, or "bf16" with error feedback
 
   def __post_init__(self):
     self.ranks = 1 if self.mesh is None else self.mesh.size
+    self.axes = () if self.mesh is None else tuple(self.mesh.axis_names)
+    self.nodes = self.mesh.shape["node"] if "node" in self.axes else 1
     self.notes: list = []  # what lowering rules chose (cuDNN, Pallas or XLA attention, ...)
     self.metric_names = ["loss", "grad_norm", "lr", "finite"] + ["diag/" + d.name
                                                                   for d in self.diags]
+    self.fused = self.stacking * self.ranks == self.microbatches
+    # the fused data-parallel step also returns the ranks' stop flag
+    self.step_names = self.metric_names + (["stop"] if self.ranks > 1 and self.fused else [])
     if self.ranks > 1:
       self._fused = jax.jit(self._dp_step, donate_argnums=(0,))
     else:
@@ -149,32 +155,56 @@ class TrainStep:
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
-  def _dp_local_grads(self, params, batches, step, offset):
-    # Gradients are summed across ranks exactly once, explicitly, in f32.
-    rank = jax.lax.axis_index("data")
+  def _dp_local_grads(self, params, batches, step, offset, carry=None):
+    """This rank's microbatches' loss and gradients, summed across ranks exactly once.
+
+    Between nodes with bf16 gradients, each device adds its carried rounding error to
+    the node's f32 sum, sends that rounded to bf16, and keeps the new rounding error.
+    """
+    rank = jax.lax.axis_index(self.axes)
     per_rank = self.microbatches // self.ranks
     loss, grads, losses, tapped = self._stacked_grads(params, batches, step,
                                                       offset + rank * per_rank)
-    loss = jax.lax.psum(loss, "data")
-    grads = jax.lax.psum(grads, "data")
-    tapped = {n: jax.lax.all_gather(v, "data", tiled=True) for n, v in tapped.items()}
-    return loss, grads, tapped
+    loss = jax.lax.psum(loss, self.axes)
+    new_carry = None
+    if carry is None:
+      grads = jax.lax.psum(grads, self.axes)
+    else:
+      node_sum = jax.lax.psum(grads, "gpu")
+      fed = jax.tree_util.tree_map(lambda g, c: g + c[0], node_sum, carry)
+      sent = jax.tree_util.tree_map(lambda e: e.astype(jnp.bfloat16), fed)
+      new_carry = jax.tree_util.tree_map(lambda e, q: (e - q.astype(jnp.float32))[None], fed, sent)
+      grads = jax.tree_util.tree_map(lambda q: jax.lax.psum(q, "node").astype(jnp.float32), sent)
+    tapped = {n: jax.lax.all_gather(v, self.axes, tiled=True) for n, v in tapped.items()}
+    return loss, grads, tapped, new_carry
 
-  def _dp_step(self, state, batches):
+  def _state_specs(self, state):
+    from jax.sharding import PartitionSpec as P
+    return {k: (P(self.axes) if k == "carry" else P()) for k in state}
+
+  def _dp_step(self, state, batches, stop):
     from jax.sharding import PartitionSpec as P
 
-    def inner(state, batches):
-      loss, grads, tapped = self._dp_local_grads(state["params"], batches, state["step"], 0)
-      return self._apply(state, loss, grads, tapped)
+    def inner(state, batches, stop):
+      loss, grads, tapped, carry = self._dp_local_grads(state["params"], batches, state["step"],
+                                                        0, state.get("carry"))
+      new_state, metrics = self._apply(state, loss, grads, tapped)
+      if carry is not None:
+        new_state["carry"] = carry
+      # every rank's stop flag, so a signal on one node stops all at the same step
+      flag = jax.lax.pmax(stop[0], self.axes).astype(jnp.float32)
+      return new_state, jnp.concatenate([metrics, flag[None]])
 
-    return self._shard(inner, (P(), P("data")), (P(), P()))(state, batches)
+    specs = self._state_specs(state)
+    return self._shard(inner, (specs, P(self.axes), P(self.axes)), (specs, P()))(
+        state, batches, stop)
 
   def _chunk_local(self, params, batches, step, c, acc_loss, acc_grads):
     """Adds chunk c's loss and gradients (microbatches c·S … (c+1)·S − 1) to the sums."""
     s = self.stacking
     chunk = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, c * s, s), batches)
     if self.ranks > 1:
-      loss, grads, tapped = self._dp_local_grads(params, chunk, step, c * s)
+      loss, grads, tapped, _ = self._dp_local_grads(params, chunk, step, c * s)
     else:
       loss, grads, _, tapped = self._stacked_grads(params, chunk, step, c * s)
     return acc_loss + loss, jax.tree_util.tree_map(jnp.add, acc_grads, grads), tapped
@@ -183,7 +213,7 @@ class TrainStep:
     if self.ranks == 1:
       return self._chunk_local(params, batches, step, c, acc_loss, acc_grads)
     from jax.sharding import PartitionSpec as P
-    return self._shard(self._chunk_local, (P(), P("data"), P(), P(), P(), P()),
+    return self._shard(self._chunk_local, (P(), P(self.axes), P(), P(), P(), P()),
                        (P(), P(), P()))(params, batches, step, c, acc_loss, acc_grads)
 
   def _sharding(self, kind: str):
@@ -191,7 +221,7 @@ class TrainStep:
     if self.mesh is None:
       return None
     from jax.sharding import NamedSharding, PartitionSpec as P
-    return NamedSharding(self.mesh, P() if kind == "rep" else P("data"))
+    return NamedSharding(self.mesh, P() if kind == "rep" else P(self.axes))
 
   def _placed(self, tree, kind: str):
     """Abstract values carrying the shardings the real arguments will have."""
@@ -205,10 +235,21 @@ class TrainStep:
     return jnp.float32(0.0), jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32),
                                                     params)
 
-  def __call__(self, state, batches):
-    """One optimizer step over `batches` (leading axis K); returns (state, metrics)."""
-    if self.stacking * self.ranks == self.microbatches:
-      return (self._fused_exec or self._fused)(state, batches)
+  def stop_flags(self, stop: bool = False):
+    """This process's stop flag for each of its ranks, placed as the step expects."""
+    local = np.full((len(self.mesh.local_devices),), int(stop), np.int32)
+    return jax.make_array_from_process_local_data(self._sharding("data"), local, (self.ranks,))
+
+  def _place_state(self, state):
+    return {k: self._placed(v, "data" if k == "carry" else "rep") for k, v in state.items()}
+
+  def __call__(self, state, batches, stop=None):
+    """One optimizer step over `batches` (leading axis K); returns (state, metrics vector)."""
+    if self.fused:
+      if self.ranks == 1:
+        return (self._fused_exec or self._fused)(state, batches)
+      stop = self.stop_flags() if stop is None else stop
+      return (self._fused_exec or self._fused)(state, batches, stop)
     # K/S calls of the stacked gradient graph, each adding into f32 sums, then one update.
     loss, grads = self._zeros_fn(state["params"])
     fn = self._grads_exec or self._grads
@@ -223,7 +264,7 @@ class TrainStep:
     """Compiles the step ahead of time for these (abstract) inputs; returns the executable."""
     lowered = self.lowered(state, batches)
     compiled = lowered.compile()
-    if self.stacking * self.ranks == self.microbatches:
+    if self.fused:
       self._fused_exec = compiled
     return compiled
 
@@ -232,10 +273,10 @@ class TrainStep:
 
     The fused step is one executable; a stacked step is its gradient call and its update.
     """
-    if self.stacking * self.ranks == self.microbatches:
+    if self.fused:
       return {"train step": self.compile(state, batches)}
     grads = self.compile(state, batches)
-    state = self._placed(state, "rep")
+    state = self._place_state(state)
     params = state["params"]
     f32 = self._placed(jax.tree_util.tree_map(
         lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params), "rep")
@@ -248,9 +289,12 @@ class TrainStep:
 
   def lowered(self, state, batches):
     """The fused step lowered for abstract inputs (for memory and cost analysis)."""
-    state, batches = self._placed(state, "rep"), self._placed(batches, "data")
-    if self.stacking * self.ranks == self.microbatches:
-      return self._fused.lower(state, batches)
+    state, batches = self._place_state(state), self._placed(batches, "data")
+    if self.fused:
+      if self.ranks == 1:
+        return self._fused.lower(state, batches)
+      stop = self._placed(jax.ShapeDtypeStruct((self.ranks,), jnp.int32), "data")
+      return self._fused.lower(state, batches, stop)
     loss, grads = self._placed(jax.eval_shape(self._zeros, state["params"]), "rep")
     return self._grads.lower(state["params"], batches, state["step"], jnp.int32(0), loss, grads)
 

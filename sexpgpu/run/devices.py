@@ -50,31 +50,63 @@ def parse_device_list(value: str | None) -> list[int] | None:
 
 
 class Placement:
-  """Where the run lives: one device, or a 1-D data-parallel mesh over several."""
+  """Where the run lives: one device, a 1-D mesh ("data",) over several, or a 2-D mesh
+  ("node", "gpu") over the devices of several processes (nodes)."""
 
-  def __init__(self, kind: str, devices: list):
+  def __init__(self, kind: str, devices: list, nodes: int = 1):
     import jax
+    import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     self.kind = kind
     self.devices = devices
-    self.mesh = Mesh(devices, ("data",)) if len(devices) > 1 else None
+    self.nodes = nodes
+    self.node = jax.process_index() if nodes > 1 else 0
+    if nodes > 1:
+      self.mesh = Mesh(np.array(devices).reshape(nodes, -1), ("node", "gpu"))
+      axes = ("node", "gpu")
+    else:
+      self.mesh = Mesh(devices, ("data",)) if len(devices) > 1 else None
+      axes = ("data",)
+    self.local_devices = [d for d in devices if d.process_index == jax.process_index()]
     if self.mesh is not None:
       self._rep = NamedSharding(self.mesh, P())
-      self._shard = NamedSharding(self.mesh, P("data"))
+      self._shard = NamedSharding(self.mesh, P(axes))
     self._jax = jax
+    self._np = np
 
   @property
   def ranks(self) -> int:
     return len(self.devices)
 
   @property
+  def multiprocess(self) -> bool:
+    return self.nodes > 1
+
+  def host(self, x):
+    """A numpy copy of a (replicated) array, from this process's own shard."""
+    if hasattr(x, "is_fully_addressable") and not x.is_fully_addressable:
+      return self._np.asarray(x.addressable_data(0))
+    return self._np.asarray(x)
+
+  def local_share(self, k: int) -> range:
+    """The step's microbatches this process reads: its ranks' contiguous share of K."""
+    per_rank = k // self.ranks
+    first = self.devices.index(self.local_devices[0])
+    return range(first * per_rank, (first + len(self.local_devices)) * per_rank)
+
+  @property
   def first(self):
-    return self.devices[0]
+    """This process's first device (the global first on one process)."""
+    return self.local_devices[0]
 
   def replicate(self, tree):
     """Places a pytree on every rank (parameters, optimizer states)."""
     if self.mesh is None:
       return self._jax.device_put(tree, self.first)
+    if self.multiprocess:  # every process holds the same values
+      return self._jax.tree_util.tree_map(
+          lambda x: x if getattr(x, "sharding", None) == self._rep else
+          self._jax.make_array_from_process_local_data(self._rep, self.host(x)), tree)
     return self._jax.device_put(tree, self._rep)
 
   def abstract(self, tree):
@@ -84,20 +116,38 @@ class Placement:
     return self._jax.tree_util.tree_map(
         lambda x: self._jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rep), tree)
 
-  def shard(self, tree):
-    """Places a pytree whose leading axis (microbatches) is split over the ranks."""
+  def shard(self, tree, global_lead: int | None = None):
+    """Places a pytree whose leading axis (microbatches) is split over the ranks.
+
+    With several processes each passes only its own share; `global_lead` is the whole axis.
+    """
     if self.mesh is None:
       return self._jax.device_put(tree, self.first)
+    if self.multiprocess:
+      return self._jax.tree_util.tree_map(
+          lambda x: self._jax.make_array_from_process_local_data(
+              self._shard, x, (global_lead,) + x.shape[1:]), tree)
     return self._jax.device_put(tree, self._shard)
 
 
-def open_devices(kind: str, ordinals: list[int] | None) -> Placement:
+def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Placement:
   """Opens the device kind and the ranks SEXPGPU_DEVICES names (all visible GPUs when unset).
 
   On `cpu`, SEXPGPU_DEVICES=0,1 makes that many XLA host devices (set before the backend
   starts). Raises E-DP-001 for an ordinal that is not visible, E-DEV-001 without CUDA.
   """
   import jax
+  if nodes_cfg is not None:
+    # jax.distributed already limited each process to its SEXPGPU_DEVICES (local_device_ids)
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    counts = {}
+    for d in devs:
+      counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    if len(set(counts.values())) != 1:
+      raise SxError("E-DP-006", "the nodes have different device counts: " + ", ".join(
+          f"node {p} {n}" for p, n in sorted(counts.items())), where="SEXPGPU_DEVICES",
+          fix="the same files, flags, device count and checkpoint location on every node")
+    return Placement(kind, devs, nodes_cfg.nodes)
   if kind == "cpu":
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if ordinals is not None and not forced:

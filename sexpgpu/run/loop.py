@@ -120,8 +120,12 @@ class Trainer:
   def run(self) -> Summary:
     from sexpgpu.track import StatusFile, open_metrics
     c, o = self.c, self.o
+    from sexpgpu.devices.env import parse_nodes
+    # Node variables are read before anything starts a JAX backend (E-DP-005).
+    self.nodes_cfg = parse_nodes(os.environ, o.device)
+    self.node = self.nodes_cfg.rank if self.nodes_cfg else 0
     counter = CompileCounter.install(cache_dir())
-    self.status = StatusFile(o.status)
+    self.status = StatusFile(o.status if self.node == 0 else None)  # node 0 writes it
     started = time.time()
     self.status_base = {"slug": c.slug, "pid": os.getpid(), "steps": self.steps, "stage": 0,
                         "started_at": started, "error": None, "checkpoint": None}
@@ -139,28 +143,44 @@ class Trainer:
     c, o = self.c, self.o
     ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
     t_open = time.perf_counter()
-    device = open_devices(o.device, ordinals)
+    self.rdv = None
+    if self.nodes_cfg is not None:
+      from sexpgpu.devices import nodes
+      from sexpgpu.devices.env import rendezvous_timeout
+
+      def on_timeout(err):
+        self.status.update(state="failed", error={"code": err.code, "message": err.message})
+
+      self.rdv = nodes.initialize(self.nodes_cfg, rendezvous_timeout(), on_timeout, ordinals)
+    device = open_devices(o.device, ordinals, self.nodes_cfg)
     open_s = time.perf_counter() - t_open
     if self.k % device.ranks:
       raise SxError("E-DP-003", f"the {self.k} microbatches do not divide over {device.ranks} "
                     "devices", where="SEXPGPU_DEVICES", fix="pick a device count that divides "
                     ":microbatches, or --set microbatches=N")
     store, resume_dir, resume_text = self._checkpoint_setup()
-    self.metrics = open_metrics(o.metrics, c.slug)
+    self.metrics = open_metrics(o.metrics if self.node == 0 else None, c.slug)
     self._log(output.config_line(
         o.file, c.slug, o.device, self.steps, self.k, _evals_field(c.exp.passes, self.every),
         ",".join(c.diagnostics) or "-", self.run_knobs["precision"], self.run_knobs["seed"],
-        o.checkpoint_dir or "-", resume_text, o.status or "-", ranks=device.ranks))
+        o.checkpoint_dir or "-", resume_text, o.status or "-", ranks=device.ranks,
+        nodes=device.nodes))
     if self.metrics.describe():
       self._log(f"metrics: {self.metrics.describe()}")
     self.metrics.emit("config", file=c.program.path, fingerprint=c.fingerprint, device=o.device,
-                      ranks=device.ranks, nodes=1, knobs={k: {"value": _jsonable(v.value), "source": v.source}
+                      ranks=device.ranks, nodes=device.nodes, knobs={k: {"value": _jsonable(v.value), "source": v.source}
                                                 for k, v in c.selection.knobs.items()},
                       versions=_versions(), resume=resume_text)
     t0 = time.perf_counter()
     from sexpgpu.run.session import Session
+    if self.rdv is not None:
+      from sexpgpu.devices.nodes import compare_at_rendezvous
+      compare_at_rendezvous({"nodes": device.nodes, "node": self.node,
+                             "gpus": len(device.local_devices), "fingerprint": c.fingerprint,
+                             "gradients": self.nodes_cfg.gradients, "resume": resume_dir or "-"},
+                            self.rdv)
     sess = Session(c, o, device, self.metrics, self.status, self.status_base, store, self._log,
-                   counter)
+                   counter, self.rdv, self.nodes_cfg.gradients if self.nodes_cfg else "f32")
     with _Signals() as sig:
       summary = sess.train(resume_dir, sig, t0, open_s)
     return summary
@@ -171,7 +191,8 @@ class Trainer:
     if o.checkpoint_dir:
       from sexpgpu.ckpt import CheckpointStore
       store = CheckpointStore(o.checkpoint_dir, self.c.slug, int(self.run_knobs["keep"]))
-      store.check_writable()
+      if self.node == 0:  # node 0 writes the checkpoints
+        store.check_writable()
     if not o.resume:
       return store, None, "-"
     from sexpgpu.ckpt import resolve_resume

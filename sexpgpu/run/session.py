@@ -27,8 +27,11 @@ def _stack(batches: list[dict]) -> dict:
 class Session:
   """The state of one `sexpgpu run` while it trains."""
 
-  def __init__(self, compiled, opts, device, metrics, status, status_base, store, log, counter):
+  def __init__(self, compiled, opts, device, metrics, status, status_base, store, log, counter,
+               rdv=None, node_gradients: str = "f32"):
     self.c = compiled
+    self.rdv = rdv
+    self.node_gradients = node_gradients
     self.o = opts
     self.place = device
     self.device = device.first
@@ -48,6 +51,10 @@ class Session:
     self.every_override = run.get("eval-every")
     per_rank = self.k // device.ranks
     self.stacking = opts.stacking or per_rank
+    if device.multiprocess and self.stacking != per_rank:
+      raise SxError("E-ENV-001", "several nodes run every microbatch of a rank in one call; "
+                    f"SEXPGPU_STACKING={self.stacking} is not {per_rank}",
+                    where="SEXPGPU_STACKING", fix="unset SEXPGPU_STACKING on multi-node runs")
     if per_rank % self.stacking:
       raise SxError("E-ENV-001", f"stacking {self.stacking} does not divide the {per_rank} "
                     "microbatches of each rank", where="SEXPGPU_STACKING",
@@ -79,7 +86,8 @@ class Session:
       st = self.c.stages[self.stage]
       opt, sched = make_optimizer(st.exp.optimizer, self.steps)
       self._train_steps[key] = TrainStep(st.graph, opt, sched, self.precision, self.k, key[1],
-                                         self.seed, self.on_nan, self.diags, self.place.mesh)
+                                         self.seed, self.on_nan, self.diags, self.place.mesh,
+                                         self.node_gradients)
     return self._train_steps[key]
 
   def pass_every(self, p) -> int | None:
@@ -102,7 +110,8 @@ class Session:
         for m, v in vals.items():
           sums[m] = v if m not in sums else sums[m] + v
       # host sync: the progress line needs the numbers
-      metrics = {f"{name}/{m}": float(sums[m]) / p.batches for m, _ in p.metrics}
+      metrics = {f"{name}/{m}": float(self.place.host(sums[m])) / p.batches
+                 for m, _ in p.metrics}
       dt = time.perf_counter() - t
       if name in self.first_pass:
         self.pass_times[name].append(dt)
@@ -155,7 +164,8 @@ class Session:
     from sexpgpu.run.loop import _jsonable, _versions
     c = self.c
     return {"fingerprint": c.fingerprint, "graph_fingerprint": c.graph_fingerprint,
-            "slug": c.slug, "step": step, "stage": self.stage, "ranks": self.place.ranks, "nodes": 1,
+            "slug": c.slug, "step": step, "stage": self.stage, "ranks": self.place.ranks,
+            "nodes": self.place.nodes, "node_gradients": self.node_gradients,
             "stacking": self.stacking, "counters": dict(self.counters),
             "last_pass": dict(self.last_pass), "train_loss": self.train_loss,
             "loaders": {n: ld.state() for n, ld in c.loaders.items()},
@@ -166,10 +176,36 @@ class Session:
     if self.store is None:
       return
     self.set_status("checkpointing", step)
+    if self.place.multiprocess:
+      self._save_nodes(step)
+      return
     self._emit_saved()  # the previous save completes first (the store waits for it anyway)
     self.store.save(step, self.state, self.meta(step), wait=wait)
     if wait:
       self._emit_saved()
+
+  def _host_state(self) -> dict:
+    """The state on the host; per-device carries gathered from every node (a collective)."""
+    from jax.experimental import multihost_utils
+    out = {}
+    for k, v in self.state.items():
+      if k == "carry":
+        out[k] = jax.tree_util.tree_map(
+            lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), v)
+      else:
+        out[k] = jax.tree_util.tree_map(self.place.host, v)
+    return out
+
+  def _save_nodes(self, step: int) -> None:
+    """Every node checks that the ranks agree (E-DP-004); node 0 writes; all wait for it."""
+    from sexpgpu.devices.nodes import agree_at_checkpoint, params_hash
+    host = self._host_state()
+    agree_at_checkpoint(step, params_hash({"params": host["params"], "opt": host["opt"]}),
+                        self.rdv)
+    if self.place.node == 0:
+      self.store.save(step, host, self.meta(step), wait=True)
+      self._emit_saved()
+    self.rdv.barrier(f"saved-{step}")
 
   def _emit_saved(self) -> None:
     info = self.store.wait()
@@ -186,7 +222,13 @@ class Session:
     abstract = jax.eval_shape(lambda: self.state)
     t = time.perf_counter()
     state, meta = restore_checkpoint(step_dir, abstract)
+    carry = state.pop("carry", None)
     self.state = self.place.replicate(state)
+    if carry is not None:  # each node takes its own devices' carries
+      share = self.place.local_share(self.place.ranks)
+      self.state["carry"] = jax.tree_util.tree_map(
+          lambda x: jax.make_array_from_process_local_data(
+              self.place._shard, np.asarray(x)[share.start:share.stop], x.shape), carry)
     self.stage = int(meta["stage"])
     self.status_base["stage"] = self.stage
     self.counters = {k: int(v) for k, v in meta["counters"].items()}
@@ -202,11 +244,12 @@ class Session:
     return int(meta["step"])
 
   def _check_same(self, meta: dict, step_dir: str) -> None:
-    ranks = self.place.ranks
-    if meta.get("ranks", 1) != ranks or meta.get("nodes", 1) != 1:
+    ranks, nodes = self.place.ranks, self.place.nodes
+    if meta.get("ranks", 1) != ranks or meta.get("nodes", 1) != nodes:
       raise SxError("E-DP-002", f"the checkpoint was written by {meta.get('ranks')} ranks on "
                     f"{meta.get('nodes')} nodes; this run has {ranks} rank"
-                    f"{'s' if ranks != 1 else ''} on 1 node", where=step_dir,
+                    f"{'s' if ranks != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}",
+                    where=step_dir,
                     fix="resume with the checkpoint's nodes and devices")
     if meta.get("fingerprint") == self.c.fingerprint:
       return
@@ -279,6 +322,8 @@ class Session:
     self.t_first_step = None
     c = self.c
     fixed = self.o.stacking
+    if self.place.multiprocess:
+      fixed = self.k // self.place.ranks
     resume_meta = None
     if resume_dir is not None:
       from sexpgpu.ckpt import read_meta
@@ -289,6 +334,11 @@ class Session:
     # Everything is planned on abstract values: no initializer runs before the plan fits.
     opt, _ = make_optimizer(c.stages[self.stage].exp.optimizer, self.steps)
     self.state = jax.eval_shape(lambda: init_state(init_params(self.seed, c.params), opt))
+    carried = self.place.multiprocess and self.node_gradients == "bf16"
+    if carried:  # one rounding-error carry per device for the bf16 sum between nodes
+      self.state["carry"] = jax.tree_util.tree_map(
+          lambda p: jax.ShapeDtypeStruct((self.place.ranks,) + p.shape, jnp.float32),
+          self.state["params"])
     choice = self._plan(fixed)
     if resume_dir is not None:
       start = self.restore(resume_dir)
@@ -296,33 +346,43 @@ class Session:
       start = 0
       with jax.default_device(self.device):
         self.state = self.place.replicate(init_state(init_params(self.seed, c.params), opt))
+      if carried:
+        n = len(self.place.local_devices)
+        self.state["carry"] = {k: self.place.shard(np.zeros((n,) + v.shape, np.float32),
+                                                   self.place.ranks)
+                               for k, v in self.state["params"].items()}
     resumed_at = start if resume_dir is not None else None
     step0_s = time.perf_counter() - t0
     self.run_passes(start, start == self.steps, resumed_at)
     stopped_by = None
     step = start
     self.set_status("running", step)
+    multi = self.place.multiprocess
     while step < self.steps:
-      if sig.received is not None:
+      if sig.received is not None and not multi:
         stopped_by = sig.received
         break
       loader = c.loaders[c.stages[self.stage].data]
-      mbs = [loader.next() for _ in range(self.k)]
-      batches = self.place.shard(_stack(mbs))
+      mbs = self._next_microbatches(loader)
+      batches = self.place.shard(_stack(mbs), self.k)
       if self.choice.how == "measure":
         self._measure(batches)
       st = self.train_step()
       t = time.perf_counter()
       if self.t_first_step is None:
         self.t_first_step = t
-      self.state, m = st(self.state, batches)
-      m = dict(zip(st.metric_names, np.asarray(m).tolist()))  # host sync: the step's numbers
+      with self._watch(f"step {step + 1}"), self._quiet(step == start):
+        if st.ranks > 1 and st.fused:
+          self.state, m = st(self.state, batches, st.stop_flags(sig.received or 0))
+        else:
+          self.state, m = st(self.state, batches)
+        m = dict(zip(st.step_names, np.asarray(self.place.host(m)).tolist()))  # host sync
       dt = time.perf_counter() - t
       step += 1
       self.step_times.append(dt)
-      self.counters["records"] += sum(int(b[next(iter(b))].shape[0]) for b in mbs)
+      self.counters["records"] += self.k * loader.batch_size
       if "tokens" in self.counters and "tokens" in mbs[0]:
-        self.counters["tokens"] += sum(int(b["tokens"].size) for b in mbs)
+        self.counters["tokens"] += self.k * int(mbs[0]["tokens"].size)
       if not bool(m["finite"]):
         self.counters["skipped-steps"] = self.counters.get("skipped-steps", 0) + 1
         if self.on_nan == "stop":
@@ -333,6 +393,9 @@ class Session:
       else:
         self.train_loss = float(m["loss"])
       self._step_event(step, m, dt, len(mbs))
+      if multi and m.get("stop"):  # a signal on some node: every node stops here
+        stopped_by = int(m["stop"])
+        break
       at_end = step == self.steps
       self.run_passes(step, at_end, None)
       if self.c.exp.passes:
@@ -365,6 +428,30 @@ class Session:
       for line in output.done_lines(step, self.train_loss, summary.eval, summary.counters):
         self.log(line)
     return summary
+
+  def _next_microbatches(self, loader) -> list[dict]:
+    """The step's microbatches this process computes (all K on one process)."""
+    if not self.place.multiprocess:
+      return [loader.next() for _ in range(self.k)]
+    base = loader.position
+    mbs = [loader.batch(base + j) for j in self.place.local_share(self.k)]
+    state = loader.state()
+    state["position"] = base + self.k  # every node's loader moves past the whole step
+    loader.set_state(state)
+    return mbs
+
+  def _quiet(self, first: bool):
+    """Around the first cross-node step: gloo announces its peers on our output streams."""
+    import contextlib
+    if first and self.place.multiprocess:
+      from sexpgpu.devices.nodes import quiet_collectives
+      return quiet_collectives()
+    return contextlib.nullcontext()
+
+  def _watch(self, what: str):
+    """Around a wait on other nodes: a node that left becomes E-DP-007, not a hang."""
+    import contextlib
+    return self.rdv.watch(what) if self.rdv is not None else contextlib.nullcontext()
 
   def _step_event(self, step: int, m: dict, dt: float, n_mb: int) -> None:
     toks = self.counters.get("tokens")
