@@ -15,7 +15,7 @@ import numpy as np
 def quiet() -> None:
   """Keeps orbax's and absl's logging (and fsspec's) off standard error."""
   for name in ("absl", "orbax", "s3fs", "fsspec", "botocore", "aiobotocore",
-               "urllib3", "gcsfs"):
+               "urllib3", "gcsfs", "asyncio", "aiohttp"):
     logging.getLogger(name).setLevel(logging.CRITICAL)
   try:
     from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel

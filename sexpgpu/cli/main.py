@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write(SxError("E-FORM-001", f"unknown command `{command}`", where="the command line",
                              fix="commands: " + ", ".join(commands)).render() + "\n")
     return 1
+  if os.environ.get("SEXPGPU_DEBUG") != "1":
+    # Standard error carries our lines alone: a library's object that fails while being
+    # collected (an S3 connection closed under it, say) is not the user's concern.
+    sys.unraisablehook = lambda unraisable: None
   try:
     code = commands[command](argv[1:])
   except SxError as e:
