@@ -17,6 +17,13 @@ def open_device(kind: str):
   import jax
   if kind == "cpu":
     return jax.devices("cpu")[0]
+  from sexpgpu.devices.doctor import MIN_DRIVER, driver_version
+  version = driver_version()
+  if version is not None and int(version.split(".")[0]) < MIN_DRIVER:
+    raise SxError("E-DEV-003", f"the NVIDIA driver {version} is older than the {MIN_DRIVER} "
+                  "series that CUDA 13 needs", where="--device cuda / SEXPGPU_DEVICE",
+                  fix=f"install an NVIDIA driver of the {MIN_DRIVER} series or newer")
+  deterministic_flags()
   try:
     devs = jax.devices("cuda")
   except RuntimeError:
@@ -26,7 +33,36 @@ def open_device(kind: str):
                   "visible", where="--device cuda / SEXPGPU_DEVICE",
                   fix='pip install "sexpgpu[cuda]" (jax[cuda13]) on a machine with an NVIDIA '
                   "driver of the 580 series or newer; check CUDA_VISIBLE_DEVICES")
+  for d in devs:
+    cc = getattr(d, "compute_capability", None)
+    if cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 0):
+      raise SxError("E-DEV-002", f"{d.device_kind} (GPU {d.id}) has compute capability {cc}; "
+                    "bf16 tensor-core products need 8.0 or newer", where="--device cuda",
+                    fix="run on an A100, L4, H100 or newer, or limit CUDA_VISIBLE_DEVICES")
   return devs[0]
+
+
+def deterministic_flags() -> None:
+  """SEXPGPU_DETERMINISTIC=1: XLA's deterministic GPU ops (set before the backend starts)."""
+  v = os.environ.get("SEXPGPU_DETERMINISTIC", "")
+  if v in ("", "0"):
+    return
+  if v != "1":
+    raise SxError("E-ENV-001", f"SEXPGPU_DETERMINISTIC={v} is not 0 or 1",
+                  where="SEXPGPU_DETERMINISTIC", fix="SEXPGPU_DETERMINISTIC=1")
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_gpu_deterministic_ops" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_deterministic_ops=true "
+                               "--xla_gpu_exclude_nondeterministic_ops=true").strip()
+
+
+def peak_bytes(device) -> int | None:
+  """The allocator's high-water mark on a GPU (None where the device keeps no statistics)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # the CPU client keeps none
+    return None
+  return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
 def parse_device_list(value: str | None) -> list[int] | None:

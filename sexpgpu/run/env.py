@@ -28,6 +28,24 @@ def stacking_from_env() -> int | None:
   return n
 
 
+def check_variables() -> None:
+  """Every SEXPGPU_* variable that must parse, checked before anything runs (E-ENV-001)."""
+  from sexpgpu.devices.env import parse_memory, rendezvous_timeout
+  from sexpgpu.run.devices import deterministic_flags
+  choices = {"SEXPGPU_PATTERNS": ("on", "off"), "SEXPGPU_CPU_COLLECTIVES": ("gloo",)}
+  for name, allowed in choices.items():
+    v = _env(name)
+    if v is not None and v not in allowed:
+      raise SxError("E-ENV-001", f"{name}={v} is not " + " or ".join(allowed), where=name,
+                    fix=f"{name}={allowed[-1]}")
+  if _env("SEXPGPU_MEMORY") is not None:
+    parse_memory(os.environ["SEXPGPU_MEMORY"])
+  rendezvous_timeout()
+  stacking_from_env()
+  if _env("SEXPGPU_DETERMINISTIC") not in (None, "0", "1"):
+    deterministic_flags()  # raises, naming the variable
+
+
 def run_options(path: str, fv) -> RunOptions:
   """The run's options from parsed flags and the environment."""
   device = fv.device or _env("SEXPGPU_DEVICE") or "cpu"
@@ -35,10 +53,7 @@ def run_options(path: str, fv) -> RunOptions:
     where = "--device" if fv.device else "SEXPGPU_DEVICE"
     raise SxError("E-ENV-001" if not fv.device else "E-DEV-001",
                   f"device `{device}` is not cpu or cuda", where=where, fix="cpu or cuda")
-  for name in ("SEXPGPU_PATTERNS",):
-    v = _env(name)
-    if v is not None and v not in ("on", "off"):
-      raise SxError("E-ENV-001", f"{name}={v} is not on or off", where=name, fix=f"{name}=off")
+  check_variables()
   return RunOptions(
       file=path, device=device,
       metrics=fv.metrics if fv.metrics is not None else _env("SEXPGPU_METRICS"),

@@ -416,6 +416,7 @@ class Session:
                                     self.first_pass, self.step_times, start + 1, step,
                                     self.pass_times, total, step - start):
       self.log(line)
+    self._peak_line()
     from sexpgpu.run.loop import SIGNALS
     summary = Summary(step, self.train_loss, {k: v for k, v in self.last_pass.items()},
                       dict(self.counters), self.stage, self.metrics.summary_path(), self.o.status,
@@ -428,6 +429,19 @@ class Session:
       for line in output.done_lines(step, self.train_loss, summary.eval, summary.counters):
         self.log(line)
     return summary
+
+  def _peak_line(self) -> None:
+    """On a GPU: `memory: peak X of Y planned (+Z%)`, the allocator's peak against the plan."""
+    from sexpgpu.devices.memory import peak_line
+    from sexpgpu.run.devices import peak_bytes
+    if self.device.platform == "cpu":
+      return
+    peak = peak_bytes(self.device)
+    if peak is not None:
+      line = peak_line(peak, self.choice.plan)
+      self.log(line)
+      self.metrics.emit("annotation", name="memory peak", text=line, peak=peak,
+                        planned=self.choice.plan.total)
 
   def _next_microbatches(self, loader) -> list[dict]:
     """The step's microbatches this process computes (all K on one process)."""
@@ -467,6 +481,9 @@ class Session:
           "train/grad-norm": float(m["grad_norm"]), "time/step": dt,
           "throughput/tokens-per-second": tps, "throughput/mfu": mfu,
           "counters": dict(self.counters)}
+    if self.device.platform != "cpu":
+      from sexpgpu.run.devices import peak_bytes
+      ev["runtime/peak_bytes"] = peak_bytes(self.device)
     self.metrics.emit("step", step=step, **ev)
     for d in self.diags:
       dd = self.c.exp.diagnostics[d.name]

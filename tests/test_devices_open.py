@@ -1,0 +1,67 @@
+"""Opening the cuda device: E-DEV-001 without CUDA, E-DEV-002 for an old card, E-DEV-003 for an
+old driver (the last two with the driver and the device list stood in for, as no GPU is here)."""
+
+import os
+import subprocess
+
+import pytest
+
+import sexpgpu.devices.doctor as doctor
+import sexpgpu.run.devices as devices
+from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.errors import SxError
+
+
+def test_no_cuda_backend_is_e_dev_001():
+  env = dict(os.environ, SEXPGPU_DEVICE="cuda")
+  p = subprocess.run(sexpgpu_cmd("run", "configs/tiny-lm.sx", "--steps", "1"), cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 1 and "error[E-DEV-001]" in p.stderr
+  assert 'pip install "sexpgpu[cuda]"' in p.stderr and "Traceback" not in p.stderr
+
+
+def test_an_old_driver_is_e_dev_003(monkeypatch):
+  monkeypatch.setattr(doctor, "driver_version", lambda: "535.104.05")
+  with pytest.raises(SxError) as e:
+    devices.open_device("cuda")
+  assert e.value.code == "E-DEV-003" and "535.104.05" in e.value.message
+
+
+class _Card:
+  platform = "gpu"
+  device_kind = "Tesla T4"
+  id = 0
+  compute_capability = "7.5"
+
+
+def test_an_old_card_is_e_dev_002(monkeypatch):
+  import jax
+  monkeypatch.setattr(doctor, "driver_version", lambda: "580.65.06")
+  monkeypatch.setattr(jax, "devices", lambda kind=None: [_Card()])
+  with pytest.raises(SxError) as e:
+    devices.open_device("cuda")
+  assert e.value.code == "E-DEV-002" and "Tesla T4" in e.value.message and "7.5" in e.value.message
+
+
+def test_deterministic_variable_is_checked(monkeypatch):
+  monkeypatch.setenv("SEXPGPU_DETERMINISTIC", "yes")
+  with pytest.raises(SxError) as e:
+    devices.deterministic_flags()
+  assert e.value.code == "E-ENV-001"
+  monkeypatch.setenv("SEXPGPU_DETERMINISTIC", "1")
+  monkeypatch.setenv("XLA_FLAGS", "")
+  devices.deterministic_flags()
+  assert "--xla_gpu_deterministic_ops=true" in os.environ["XLA_FLAGS"]
+
+
+@pytest.mark.parametrize("name,value", [("SEXPGPU_MEMORY", "lots"), ("SEXPGPU_PATTERNS", "maybe"),
+                                        ("SEXPGPU_RENDEZVOUS_TIMEOUT", "-3"),
+                                        ("SEXPGPU_DETERMINISTIC", "yes"),
+                                        ("SEXPGPU_CPU_COLLECTIVES", "mpi"),
+                                        ("SEXPGPU_STACKING", "0")])
+def test_a_variable_that_does_not_parse_is_e_env_001_before_anything_runs(name, value):
+  env = dict(os.environ, **{name: value})
+  p = subprocess.run(sexpgpu_cmd("run", "configs/tiny-lm.sx", "--steps", "1"), cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 1 and p.stderr.startswith("error[E-ENV-001]"), p.stderr
+  assert name in p.stderr
