@@ -168,7 +168,7 @@ def test_gpt2_smoke_plan_against_measured_rss(tmp_path):
   planned, grown = map(int, p.stdout.split()[-2:])
   print(f"gpt2-small smoke on cpu: plan {planned} B, peak RSS growth {grown} B")
   # the cpu's RSS also holds malloc slack and the eager initializers' temporaries
-  assert 0.5 * grown <= planned <= 1.5 * grown
+  assert 0.75 * grown <= planned <= 1.25 * grown, (planned, grown)  # within 25%
 
 
 # --- stacking -------------------------------------------------------------------
