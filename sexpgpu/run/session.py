@@ -372,10 +372,7 @@ class Session:
       if self.t_first_step is None:
         self.t_first_step = t
       with self._watch(f"step {step + 1}"), self._quiet(step == start):
-        if st.ranks > 1 and st.fused:
-          self.state, m = st(self.state, batches, st.stop_flags(sig.received or 0))
-        else:
-          self.state, m = st(self.state, batches)
+        self.state, m = self._call_step(st, batches, sig, step + 1)
         m = dict(zip(st.step_names, np.asarray(self.place.host(m)).tolist()))  # host sync
       dt = time.perf_counter() - t
       step += 1
@@ -429,6 +426,38 @@ class Session:
       for line in output.done_lines(step, self.train_loss, summary.eval, summary.counters):
         self.log(line)
     return summary
+
+  def _call_step(self, st, batches, sig, step: int):
+    """One step; an allocation that fails is retried once after releasing JAX's caches,
+    when the state it was given is still whole (not yet donated to the failed call)."""
+    import gc
+    for attempt in (0, 1):
+      try:
+        if st.ranks > 1 and st.fused:
+          return st(self.state, batches, st.stop_flags(sig.received or 0))
+        return st(self.state, batches)
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        whole = not any(getattr(x, "is_deleted", lambda: False)()
+                        for x in jax.tree_util.tree_leaves(self.state))
+        detail = str(e).strip().splitlines()[0][:200]
+        retry = attempt == 0 and whole
+        line = (f"memory: allocation failed at step {step} ({detail}); caches released, "
+                + ("retrying once" if retry else "stopping"))
+        self.log(line)
+        self.metrics.emit("annotation", name="allocation failed", text=line, step=step,
+                          retried=retry)
+        if not retry:
+          from sexpgpu.run.plan import shrink_hints
+          raise SxError("E-MEM-001", f"an allocation failed at step {step} although the plan "
+                        f"fit ({detail})", where="the device's memory",
+                        fix="the last checkpoint is intact; shrink the run: "
+                        + "; ".join(shrink_hints(self.c.selection.knobs) +
+                                    [":remat true on the repeated block",
+                                     "SEXPGPU_MEMORY to plan against less"])) from None
+        jax.clear_caches()
+        gc.collect()
 
   def _peak_line(self) -> None:
     """On a GPU: `memory: peak X of Y planned (+Z%)`, the allocator's peak against the plan."""
