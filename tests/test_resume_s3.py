@@ -128,3 +128,29 @@ def test_server_dies_during_a_save(moto, tmp_path):
                      text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   assert int(r.stdout) >= saved[0]["step"]
+
+
+def test_kill_9_during_an_upload_then_resume_latest(moto, tmp_path):
+  args = ["--set", "width=384", "--set", "checkpoint-every=3", "--steps", "30", "--eval-every",
+          "0", "--json"]
+  full = _run(args, moto)
+  assert full.returncode == 0, full.stderr
+  m = tmp_path / "m.jsonl"
+  p = subprocess.Popen(sexpgpu_cmd("run", EXP, *args, "--checkpoint-dir", "s3://runs/killed",
+                                   "--metrics", f"jsonl:{m}"),
+                       cwd=ROOT, env=_env(moto), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    if m.exists() and any(e["kind"] == "checkpoint" for e in map(json.loads, open(m))):
+      break
+    time.sleep(0.005)
+  time.sleep(0.3)  # the next save's upload is under way about now
+  p.send_signal(signal.SIGKILL)
+  p.communicate(timeout=60)
+  r = _run(args + ["--checkpoint-dir", "s3://runs/killed", "--resume", "latest"], moto)
+  assert r.returncode == 0, r.stderr
+  assert "resume latest=s3://runs/killed/" in r.stderr
+  a, b = json.loads(full.stdout), json.loads(r.stdout)
+  for key in ("train_loss", "counters", "stage"):
+    assert a[key] == b[key]
