@@ -261,6 +261,11 @@ def _subprocess(leg, shape_name, total, init_path, jax_scan) -> dict:
   root = os.path.dirname(HERE)
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  # The hand-written JAX leg gets the XLA CPU flags sexpgpu sets for itself, so (a)/(b)
+  # compares the two programs on the same compiler settings.
+  from sexpgpu.run.devices import CPU_XLA_FLAGS
+  if "xla_cpu_experimental_ynn_fusion_type" not in env.get("XLA_FLAGS", ""):
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + CPU_XLA_FLAGS).strip()
   r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
   if r.returncode != 0:
     raise RuntimeError(f"leg {leg} ({shape_name}) failed:\n{r.stderr[-4000:]}")

@@ -151,6 +151,9 @@ class Trainer:
       def on_timeout(err):
         self.status.update(state="failed", error={"code": err.code, "message": err.message})
 
+      if o.device == "cpu":
+        from sexpgpu.run.devices import cpu_flags
+        cpu_flags()
       self.rdv = nodes.initialize(self.nodes_cfg, rendezvous_timeout(), on_timeout, ordinals)
     device = open_devices(o.device, ordinals, self.nodes_cfg)
     open_s = time.perf_counter() - t_open

@@ -108,6 +108,15 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
   if how == "none":
     smallest = min(plans.values(), key=lambda p: p.total)
     raise mem.refuse(smallest, shrink_hints(knobs))
+  # The cost model's inputs are timed per process, so its choice is remembered too: every
+  # later run of this graph on this device then sums its gradients in the same order.
+  if how == "model":
+    cache.put(graph_fingerprint, device_name(device), degree, None)
+  elif how == "remembered":
+    entry = cache._load().get(cache.key(graph_fingerprint, device_name(device)), {})
+    if not entry.get("measured_s"):
+      text = (f"{degree}: the cost model's choice for this graph on this device, remembered "
+              "(choices.json)")
   cands = mem.to_measure(fits, predicted) if how == "measure" else []
   return Choice(degree, how, text, plans[degree], execs[degree], cands, fits, predicted,
                 {d: p.total for d, p in plans.items()})
