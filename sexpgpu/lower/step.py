@@ -123,6 +123,7 @@ class TrainStep:
     updates, new_opt = self.optimizer.update(grads, opt, params)
     new_params = optax.apply_updates(params, updates)
     ok = _finite(loss) & _finite(optax.tree.norm(grads))
+    # a non-finite step keeps the old state (the select fuses into the update)
     keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": jnp.asarray(self.schedule(state["step"]), jnp.float32), "finite": ok}
