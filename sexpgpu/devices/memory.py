@@ -330,9 +330,7 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
                            f"({listing})")
   if not measured or any(d not in measured for d in close):
     return best, "measure", f"{best}: to be measured at the first step ({listing})"
-  # within 3% of the fastest, the larger degree wins: fewer calls a step
-  fastest = min(measured[d] for d in close)
-  won = max(d for d in close if measured[d] <= 1.03 * fastest)
+  won = min(close, key=lambda d: (measured[d], -d))  # the fastest, as the seed's example
   detail = "; ".join(f"{d} {_ms(measured[d])}, model {_ms(preds[d])}" for d in close)
   return won, "measured", (f"{won}: measured at the first step, the model within 5% could not "
                            f"separate them ({detail})")
