@@ -352,6 +352,11 @@ class Session:
                                                    self.place.ranks)
                                for k, v in self.state["params"].items()}
     resumed_at = start if resume_dir is not None else None
+    # The compiler's objects live as long as the run: keep them out of the collector's scans,
+    # so a collection in the step loop walks only what the loop itself allocates.
+    import gc
+    gc.collect()
+    gc.freeze()
     step0_s = time.perf_counter() - t0
     self.run_passes(start, start == self.steps, resumed_at)
     stopped_by = None
@@ -419,6 +424,8 @@ class Session:
                       dict(self.counters), self.stage, self.metrics.summary_path(), self.o.status,
                       c.slug, SIGNALS.get(stopped_by) if stopped_by else None, self.last_ckpt,
                       128 + int(stopped_by) if stopped_by else 0)
+    import gc
+    gc.unfreeze()  # a notebook may compile and run again in this process
     self.set_status("stopped" if stopped_by else "done", step)
     self.metrics.emit("summary", **{k: v for k, v in summary.as_dict().items() if k != "kind"})
     self.metrics.close()
