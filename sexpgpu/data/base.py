@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Callable
 
@@ -46,7 +47,7 @@ def type_name(shape: tuple[int, ...], dtype: np.dtype) -> str:
   return f"{np.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
 
 
-class Loader:
+class Loader(abc.ABC):
   """A source of microbatches: batch(i) is a pure function of (args, seed, i).
 
   Subclasses take (spec, bound args, Context), declare their keywords in
@@ -66,6 +67,7 @@ class Loader:
   def __init__(self) -> None:
     self.position = 0
 
+  @abc.abstractmethod
   def batch(self, i: int) -> dict[str, np.ndarray]:
     """The i-th microbatch, counting from the start of the run.
 
@@ -75,7 +77,6 @@ class Loader:
     Returns:
       A map of field name to an array with a leading axis of batch_size.
     """
-    raise NotImplementedError
 
   def next(self) -> dict[str, np.ndarray]:
     """The microbatch at the current position; advances the position by one."""
