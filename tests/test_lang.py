@@ -284,3 +284,15 @@ def test_verifier_rejects_a_node_whose_type_lies():
   broken = dc.replace(g, outputs={"out": dc.replace(out, inputs=(bad,) + out.inputs[1:])})
   with pytest.raises(IRError):
     verify(broken)
+
+
+@pytest.mark.parametrize("what,needle", [("jaxpr", "lambda"), ("hlo", "func.func public @main"),
+                                         ("plan", "stacking")])
+def test_check_prints_lowered_forms_without_training(what, needle):
+  r = subprocess.run(sexpgpu_cmd("check", TINY, "--variant", "smoke", "--print", what),
+                     capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert r.returncode == 0, r.stderr
+  assert needle in r.stdout
+  if what == "plan":
+    assert re.search(r"memory\s+\S+ \S+B of \S+ \S+B free", r.stdout)
+    assert "degree 2" in r.stdout and "degree 1" in r.stdout and "flops" in r.stdout

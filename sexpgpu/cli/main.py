@@ -46,7 +46,12 @@ def _run_flags() -> flags.FlagValues:
 def _check_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
   _selection_flags(fv)
-  flags.DEFINE_enum("print", None, ["knobs", "params", "ir"], "what to print", flag_values=fv)
+  flags.DEFINE_enum("print", None, ["knobs", "params", "ir", "jaxpr", "hlo", "plan"],
+                    "what to print", flag_values=fv)
+  flags.DEFINE_string("device", None, "cpu or cuda, for --print hlo|plan (SEXPGPU_DEVICE)",
+                      flag_values=fv)
+  flags.DEFINE_integer("steps", None, "replaces defrun :steps", flag_values=fv)
+  flags.DEFINE_integer("eval_every", None, "replaces every pass's :every", flag_values=fv)
   return fv
 
 
@@ -115,7 +120,10 @@ def cmd_check(argv: list[str]) -> int:
   fv = _check_flags()
   rest = _parse(fv, argv, "check")
   path = _one_file(rest, "check")
-  sys.stdout.write(check(path, fv.variant, _sets(fv.set), fv.diagnostics, fv.print))
+  device = fv.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
+  overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
+  sys.stdout.write(check(path, fv.variant, _sets(fv.set), fv.diagnostics, fv.print, device,
+                         overrides))
   return 0
 
 

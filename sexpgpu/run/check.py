@@ -7,9 +7,12 @@ from sexpgpu.lang.select import format_value
 from sexpgpu.run.compile import compile_file
 
 
-def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None = None) -> str:
-  """The text `sexpgpu check` prints: a summary, or knobs / params / ir."""
-  c = compile_file(path, variant, sets, None, diagnostics)
+def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None = None,
+          device: str = "cpu", overrides: dict | None = None) -> str:
+  """The text `sexpgpu check` prints: a summary, or knobs / params / ir / jaxpr / hlo / plan."""
+  c = compile_file(path, variant, sets, overrides, diagnostics)
+  if what in ("jaxpr", "hlo", "plan"):
+    return lowered_text(c, what, device)
   if what == "knobs":
     return knobs_text(c)
   if what == "params":
@@ -34,6 +37,66 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
   if len(c.stages) > 1:
     lines += ["", "curriculum:"] + [f"  {s.index} {s.name}: :data {s.data}" for s in c.stages]
   return "\n".join(lines) + "\n"
+
+
+def lowered_text(c, what: str, device_kind: str) -> str:
+  """The loss as a jaxpr, the train step's HLO, or the memory plan and cost analysis.
+
+  Nothing is allocated: the step is lowered and compiled for abstract values only.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  from sexpgpu.ir.ops import LowerCtx
+  from sexpgpu.ir.shapes import np_dtype
+  from sexpgpu.lower.init import init_params
+  from sexpgpu.lower.interp import run_graph
+  from sexpgpu.lower.optim import make_optimizer
+  from sexpgpu.lower.step import TrainStep, init_state
+  from sexpgpu.run.devices import open_devices
+  graph = c.stages[0].graph
+  run = c.exp.run
+  k = int(run["microbatches"])
+  batch = {f: jax.ShapeDtypeStruct(sh, np_dtype(dt)) for f, (dt, sh) in
+           c.fields[c.stages[0].data].items()}
+  params = jax.eval_shape(lambda: init_params(int(run["seed"]), c.params))
+  if what == "jaxpr":
+    ctx = LowerCtx(str(run["precision"]))
+    return str(jax.make_jaxpr(lambda p, b: run_graph(graph, p, b, ctx)["out"])(params, batch)) + "\n"
+  place = open_devices(device_kind, None)
+  opt, sched = make_optimizer(c.exp.optimizer, int(run["steps"]))
+  state = jax.eval_shape(lambda: init_state(init_params(int(run["seed"]), c.params), opt))
+  batches = {f: jax.ShapeDtypeStruct((k,) + b.shape, b.dtype) for f, b in batch.items()}
+
+  def make_step(degree):
+    return TrainStep(graph, opt, sched, str(run["precision"]), k, degree, int(run["seed"]),
+                     str(run["on-nan"]), (), place.mesh)
+
+  if what == "hlo":
+    return make_step(k).lowered(state, batches).as_text() + "\n"
+  from sexpgpu.run import plan
+  from sexpgpu.run.compile import cache_dir
+  choice = plan.choose(make_step, k, None, state, batches, {}, {}, place.first, False,
+                       c.graph_fingerprint, cache_dir(), c.selection.knobs)
+  lines = [f"plan: {c.slug} on {place.first.platform}",
+           f"  memory      {choice.plan.text()} (peak in {choice.plan.peak_at})"]
+  lines += [f"    {name:<26} {_bytes(v)}" for name, v in choice.plan.parts.items()]
+  lines.append(f"  stacking    {choice.text}")
+  for d, total in sorted(choice.totals.items(), reverse=True):
+    pred = choice.predicted.get(d)
+    lines.append(f"    degree {d:<3} plan {_bytes(total)}"
+                 + (f", model {pred * 1e3:.1f} ms a step" if pred is not None else ""))
+  cost = next(iter(choice.executables.values())).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  lines.append(f"  cost        {cost.get('flops', 0):.3g} flops, "
+               f"{cost.get('bytes accessed', 0):.3g} bytes accessed "
+               "(XLA's count: a scan body once)")
+  return "\n".join(lines) + "\n"
+
+
+def _bytes(n: float) -> str:
+  from sexpgpu.devices.memory import human
+  return human(n)
 
 
 def knobs_text(c) -> str:
