@@ -104,8 +104,9 @@ class Experiment:
       c = compile_file(c.program.path, c.selection.variant,
                        [(k, _text(v)) for k, v in c.selection.sets], {"steps": steps},
                        ",".join(c.diagnostics) or None, program=c.program)
+    from sexpgpu.run.env import stacking_from_env
     return run_compiled(c, RunOptions(c.program.path, device, metrics, status, checkpoint_dir,
-                                      resume, None, False, quiet))
+                                      resume, stacking_from_env(), False, quiet))
 
 
 def _text(v: Any) -> str:

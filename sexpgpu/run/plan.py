@@ -128,17 +128,22 @@ def measure(choice: Choice, make_step, state, batches, per_rank: int, graph_fing
   measured = {}
   for d in choice.candidates:
     step = make_step(d)
-    copy = jax.tree_util.tree_map(jnp.copy, state)
-    new, m = step(copy, batches)  # compiles if needed; the state copy is donated
-    jax.block_until_ready(m)
     best = float("inf")
-    for _ in range(3):  # the fastest of three: one step's time is noisy
+    try:
       copy = jax.tree_util.tree_map(jnp.copy, state)
-      t = time.perf_counter()
-      new, m = step(copy, batches)
+      new, m = step(copy, batches)  # compiles if needed; the state copy is donated
       jax.block_until_ready(m)
-      best = min(best, time.perf_counter() - t)
-      del new
+      for _ in range(3):  # the fastest of three: one step's time is noisy
+        copy = jax.tree_util.tree_map(jnp.copy, state)
+        t = time.perf_counter()
+        new, m = step(copy, batches)
+        jax.block_until_ready(m)
+        best = min(best, time.perf_counter() - t)
+        del new
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      jax.clear_caches()  # this degree does not fit after all: it is not chosen
     measured[d] = best
   degree, how, text = mem.choose_stacking(per_rank, choice.fits, choice.predicted, measured,
                                           None, None)
