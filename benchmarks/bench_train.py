@@ -9,6 +9,12 @@ batches from the same initial parameters. Every leg runs in its own
 subprocess (so its peak RSS is its own), R rounds in a rotating order, and the
 ratios come from the medians of the pooled post-warm-up steps of one run.
 
+The baselines (b) and (c) do the work sexpgpu's step does: every step's loss,
+gradient norm and learning rate reach the host, and a step whose loss or
+gradient norm is not finite leaves the state as it was (`:on-nan`). The
+`jax-bare` and `torch-bare` legs are the same loops without that: the loss
+only, the update always applied.
+
 Two per-step times are measured, the same way in every leg:
   step  the step call up to its numbers on the host (sexpgpu's `time/step`:
         device_put of the batch done, then the update and the metric fetch);
@@ -39,7 +45,7 @@ SHAPES = {
                 "microbatches": 2},
 }
 DEFAULT_STEPS = {"tiny": 300, "compute": 12}
-LEGS = ("sexpgpu", "jax", "torch")
+LEGS = ("sexpgpu", "jax", "jax-bare", "torch", "torch-bare")
 PRE = "lm/transformer-lm/"
 BLK = PRE + "repeat/block/"
 # sexpgpu parameter path -> short name used by the baselines (per-layer ones are stacked)
@@ -138,15 +144,21 @@ def jax_model(p: dict, tokens, heads: int, unroll: bool = True):
   return rmsnorm(x, p["norm"]) @ p["unembed"]
 
 
-def leg_jax(shape: dict, total: int, init_path: str, unroll: bool = True) -> dict:
-  """A hand-written JAX loop: scan over microbatches, f32 grad sum, optax adamw, donated state."""
+def leg_jax(shape: dict, total: int, init_path: str, unroll: bool = True,
+            bare: bool = False) -> dict:
+  """A hand-written JAX loop: scan over microbatches, f32 grad sum, optax adamw, donated state.
+
+  Unless `bare`, it also returns the gradient norm and learning rate with the loss and
+  keeps the old state on a non-finite step, as sexpgpu's step does.
+  """
   import jax
   import jax.numpy as jnp
   import optax
   loader, init = _setup(shape, init_path)
   rss0 = _proc_kib("VmRSS")
   heads, k = shape["heads"], shape["microbatches"]
-  opt = optax.adamw(1e-3, weight_decay=0.0)
+  lr = 1e-3
+  opt = optax.adamw(lr, weight_decay=0.0)
 
   def loss_fn(p, tokens):
     logits = jax_model(p, tokens[:, :-1], heads, unroll)
@@ -164,20 +176,31 @@ def leg_jax(shape: dict, total: int, init_path: str, unroll: bool = True) -> dic
     zeros = (jnp.float32(0), jax.tree_util.tree_map(jnp.zeros_like, params))
     (loss, grads), _ = jax.lax.scan(body, zeros, batches)
     grads = jax.tree_util.tree_map(lambda g: g / k, grads)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss / k
+    updates, new_opt = opt.update(grads, opt_state, params)
+    new = (optax.apply_updates(params, updates), new_opt)
+    if bare:
+      return new, loss / k
+    norm = optax.global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(norm)
+    new = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, state)
+    return new, jnp.stack([loss / k, norm, jnp.float32(lr)])
 
   step = jax.jit(step, donate_argnums=(0,))
   t0 = time.time()
   params = jax.device_put(init)
   state = (params, opt.init(params))
-  return _loop(loader, k, total, t0, jax.device_put, step, state,
-               lambda loss: float(jax.device_get(loss)), rss0)
+  fetch = ((lambda loss: float(jax.device_get(loss))) if bare else
+           (lambda m: float(jax.device_get(m)[0])))  # one transfer of the step's numbers
+  return _loop(loader, k, total, t0, jax.device_put, step, state, fetch, rss0)
 
 
 # --- (c) PyTorch eager ----------------------------------------------------------
-def leg_torch(shape: dict, total: int, init_path: str) -> dict:
-  """The same model and loop in PyTorch eager on the CPU (SDPA for causal attention)."""
+def leg_torch(shape: dict, total: int, init_path: str, bare: bool = False) -> dict:
+  """The same model and loop in PyTorch eager on the CPU (SDPA for causal attention).
+
+  Unless `bare`, it also takes the gradient norm (clip_grad_norm_ with no limit) and
+  skips the optimizer step when the loss or the norm is not finite.
+  """
   import torch
   import torch.nn.functional as F
   loader, init = _setup(shape, init_path)
@@ -189,8 +212,8 @@ def leg_torch(shape: dict, total: int, init_path: str) -> dict:
   p = {n: torch.tensor(v, requires_grad=True) for n, v in init.items() if n not in LAYER}
   layers = [{n: torch.tensor(init[n][i], requires_grad=True) for n in LAYER}
             for i in range(shape["layers"])]
-  opt = torch.optim.AdamW(list(p.values()) + [v for lp in layers for v in lp.values()],
-                          lr=1e-3, weight_decay=0.0)
+  leaves = list(p.values()) + [v for lp in layers for v in lp.values()]
+  opt = torch.optim.AdamW(leaves, lr=1e-3, weight_decay=0.0)
 
   def rmsnorm(x, scale):
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * scale
@@ -216,11 +239,17 @@ def leg_torch(shape: dict, total: int, init_path: str) -> dict:
       loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
       (loss / k).backward()
       total_loss = total_loss + loss.detach()
-    opt.step()
-    return state, total_loss / k
+    if bare:
+      opt.step()
+      return state, total_loss / k
+    norm = torch.nn.utils.clip_grad_norm_(leaves, float("inf"))
+    numbers = torch.stack([total_loss / k, norm, torch.tensor(opt.param_groups[0]["lr"])])
+    if bool(torch.isfinite(numbers[:2]).all()):
+      opt.step()
+    return state, numbers
 
   return _loop(loader, k, total, t0, lambda b: torch.from_numpy(b).long(), step, None,
-               lambda loss: float(loss.item()), rss0)
+               (lambda loss: float(loss.item())) if bare else (lambda m: m.tolist()[0]), rss0)
 
 
 def _loop(loader, k, total, t0, put, step, state, fetch, rss0) -> dict:
@@ -245,10 +274,10 @@ def run_leg(leg: str, shape_name: str, total: int, init_path: str, jax_scan: boo
     return {}
   if leg == "sexpgpu":
     out = leg_sexpgpu(shape, total)
-  elif leg == "jax":
-    out = leg_jax(shape, total, init_path, unroll=not jax_scan)
+  elif leg in ("jax", "jax-bare"):
+    out = leg_jax(shape, total, init_path, unroll=not jax_scan, bare=leg == "jax-bare")
   else:
-    out = leg_torch(shape, total, init_path)
+    out = leg_torch(shape, total, init_path, bare=leg == "torch-bare")
   out["rss_growth_mib"] = (_proc_kib("VmHWM") - out.pop("rss0")) / 1024
   return out
 
@@ -307,13 +336,14 @@ def report(res: dict) -> list[str]:
   """The table and ratio lines of one shape."""
   L = res["legs"]
   lines = [f"== {res['shape']} {SHAPES[res['shape']]} ({res['tokens_per_step']} tokens/step)",
-           f"{'leg':8} {'tok/s step':>11} {'tok/s loop':>11} {'first step s':>13} "
+           f"{'leg':10} {'tok/s step':>11} {'tok/s loop':>11} {'first step s':>13} "
            f"{'peak RSS +MiB':>14} {'loss@1':>9} {'loss@3':>9}"]
   for leg, x in L.items():
-    lines.append(f"{leg:8} {x['tok_s']:11.0f} {x['loop_tok_s']:11.0f} {x['first_s']:13.2f} "
+    lines.append(f"{leg:10} {x['tok_s']:11.0f} {x['loop_tok_s']:11.0f} {x['first_s']:13.2f} "
                  f"{x['rss_mib']:14.0f} {x['loss'][0]:9.5f} {x['loss'][2]:9.5f}")
   a = L["sexpgpu"]
-  for other, target in (("jax", 0.97), ("torch", 3.0 if res["shape"] == "tiny" else 1.0)):
+  tt = 3.0 if res["shape"] == "tiny" else 1.0
+  for other, target in (("jax", 0.97), ("jax-bare", None), ("torch", tt), ("torch-bare", None)):
     if other not in L:
       continue
     o = L[other]
@@ -322,8 +352,9 @@ def report(res: dict) -> list[str]:
     per_round = [y / x for x, y in zip(a["round_step_s"], o["round_step_s"])]
     lines.append(f"ratio {res['shape']} sexpgpu/{other}: step {r_step:.3f} (rounds "
                  f"{min(per_round):.2f}..{max(per_round):.2f})  loop {r_loop:.3f}  "
-                 f"first-step time {a['first_s'] / o['first_s']:.2f}  target step >= {target}: "
-                 f"{'met' if r_step >= target else 'MISSED'}")
+                 f"first-step time {a['first_s'] / o['first_s']:.2f}" + (
+                     "" if target is None else f"  target step >= {target}: "
+                     f"{'met' if r_step >= target else 'MISSED'}"))
   n = min(3, len(a["loss"]))
   d = max(abs(x["loss"][i] - a["loss"][i]) for x in L.values() for i in range(n))
   lines.append(f"loss {res['shape']}: max |difference| over the first 3 steps, all legs: {d:.2e}")
@@ -347,8 +378,8 @@ def main(argv=None) -> int:
   if a.leg:
     print(json.dumps(run_leg(a.leg, a.shape, a.steps, a.init, a.jax_scan)))
     return 0
-  legs = [x for x in a.legs.split(",") if x != "torch" or have_torch()]
-  if "torch" in a.legs and "torch" not in legs:
+  legs = [x for x in a.legs.split(",") if not x.startswith("torch") or have_torch()]
+  if "torch" in a.legs and not any(x.startswith("torch") for x in legs):
     print("torch is not importable: skipping the PyTorch leg")
   results = []
   for name in (["tiny", "compute"] if a.shape == "both" else [a.shape]):

@@ -22,13 +22,14 @@ def _have_torch() -> bool:
 
 @pytest.mark.slow
 def test_bench_train_tiny_smoke(tmp_path):
-  legs = "sexpgpu,jax,torch" if _have_torch() else "sexpgpu,jax"  # CI installs no torch
+  legs = "sexpgpu,jax,jax-bare" + (",torch,torch-bare" if _have_torch() else "")  # CI: no torch
   out = tmp_path / "bench.json"
   r = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--steps", "3", "--warmup", "1",
                       "--rounds", "1", "--legs", legs, "--json", str(out)],
                      capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "ratio tiny sexpgpu/jax: step " in r.stdout
+  assert "ratio tiny sexpgpu/jax-bare: step " in r.stdout
   if "torch" in legs:
     assert "ratio tiny sexpgpu/torch: step " in r.stdout
   res = json.loads(out.read_text())[0]

@@ -135,3 +135,32 @@ def test_sigterm_on_one_node_stops_both_then_both_resume(one_process_two_devices
   final = json.loads(results[0][1])
   assert final["train_loss"] == summary["train_loss"] and final["eval"] == summary["eval"]
   assert _losses(m0) == losses
+
+
+def _annotation(path, name):
+  return [e for e in map(json.loads, open(path)) if e["kind"] == "annotation"
+          and e["name"] == name][-1]
+
+
+def test_two_nodes_stacked_below_their_share_train_bitwise_as_one_node(tmp_path):
+  """Four microbatches, two a rank, one a call: each rank sums its own, combined once."""
+  args = ARGS + ("--set", "microbatches=4")
+  m = tmp_path / "one.jsonl"
+  env = dict(os.environ, SEXPGPU_DEVICES="0,1", SEXPGPU_STACKING="1")
+  p = subprocess.run(sexpgpu_cmd("run", TINY, *args, "--metrics", f"jsonl:{m}", "--json"),
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr
+  port = free_port()
+  procs = [_start(tmp_path, r, port, args, extra_env={"SEXPGPU_STACKING": "1"}) for r in (0, 1)]
+  (p0, out0, err0), (p1, out1, err1) = [(q, *q.communicate(timeout=600)) for q in procs]
+  assert p0.returncode == 0 and p1.returncode == 0, err0 + err1
+  assert _annotation(tmp_path / "m0.jsonl", "stacking")["degree"] == 1
+  assert _losses(tmp_path / "m0.jsonl") == _losses(m)
+  assert json.loads(out0)["eval"] == json.loads(p.stdout)["eval"] == json.loads(out1)["eval"]
+
+
+def test_two_nodes_choose_one_stacking_without_measuring(tmp_path):
+  (p0, _, err0), (p1, _, err1) = _two_nodes(tmp_path, ARGS + ("--set", "microbatches=4"))
+  assert p0.returncode == 0 and p1.returncode == 0, err0 + err1
+  st = _annotation(tmp_path / "m0.jsonl", "stacking")
+  assert st["how"] in ("only", "model", "remembered") and st["degree"] in (1, 2), st

@@ -275,7 +275,8 @@ def _ms(s: float) -> str:
 
 def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mapping[int, float],
                     measured: Mapping[int, float] | None, remembered: int | None,
-                    fixed: int | None, can_measure: bool = True) -> tuple[int, str, str]:
+                    fixed: int | None, can_measure: bool = True,
+                    why_not: str = "no room to measure") -> tuple[int, str, str]:
   """Chooses how many microbatches one call of the training graph runs.
 
   The rules, in order: SEXPGPU_STACKING fixes it; the only degree that fits;
@@ -291,7 +292,9 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
     measured: degree → measured seconds per step at the first step, or None.
     remembered: the degree choices.json holds for this graph and device, or None.
     fixed: SEXPGPU_STACKING's degree, or None for auto.
-    can_measure: whether a measurement is possible (a second state copy fits).
+    can_measure: whether a measurement is possible (a second state copy fits, and
+      one node: several nodes would have to time their steps in lockstep).
+    why_not: why it is not, for the report line.
 
   Returns:
     (degree, how, text): how is one of "fixed", "only", "remembered", "model",
@@ -326,8 +329,7 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
   if len(close) < 2:
     return best, "model", f"{best}: the cost model ({listing})"
   if not can_measure:
-    return best, "model", (f"{best}: the cost model, within 5% but no room to measure "
-                           f"({listing})")
+    return best, "model", f"{best}: the cost model, within 5% but {why_not} ({listing})"
   if not measured or any(d not in measured for d in close):
     return best, "measure", f"{best}: to be measured at the first step ({listing})"
   won = min(close, key=lambda d: (measured[d], -d))  # the fastest, as the seed's example

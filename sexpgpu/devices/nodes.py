@@ -268,6 +268,26 @@ def params_hash(tree: Any) -> str:
   return h.hexdigest()
 
 
+def follow_node_0(topic: str, value: Any, rdv: Rendezvous | None = None) -> Any:
+  """Node 0's `value` (JSON-able) on every node; `value` itself on one node.
+
+  For decisions each node could make differently (timings, its own choices.json)
+  that must be the same everywhere, such as the stacking degree.
+  """
+  rdv = rdv or _CURRENT
+  if rdv is None:
+    return value
+  c, kv = rdv.cfg, rdv.client
+  with rdv.watch(topic):
+    if c.rank == 0:
+      kv.key_value_set(f"sexpgpu/{topic}/decided", json.dumps(value))
+      out = value
+    else:
+      out = json.loads(kv.blocking_key_value_get(f"sexpgpu/{topic}/decided", rdv.timeout_ms))
+    kv.wait_at_barrier(f"sexpgpu/{topic}/read", rdv.timeout_ms)
+  return out
+
+
 def agree_at_checkpoint(step: int, digest: str, rdv: Rendezvous | None = None) -> None:
   """Checks that every node's params_hash agrees before checkpoint `step` is written.
 

@@ -68,15 +68,16 @@ class TrainStep:
     self.metric_names = ["loss", "grad_norm", "lr", "finite"] + ["diag/" + d.name
                                                                   for d in self.diags]
     self.fused = self.stacking * self.ranks == self.microbatches
-    # the fused data-parallel step also returns the ranks' stop flag
-    self.step_names = self.metric_names + (["stop"] if self.ranks > 1 and self.fused else [])
+    # with several ranks the step also returns the ranks' stop flag
+    self.step_names = self.metric_names + (["stop"] if self.ranks > 1 else [])
     if self.ranks > 1:
       self._fused = jax.jit(self._dp_step, donate_argnums=(0,))
+      self._update = jax.jit(self._dp_update, donate_argnums=(0,))
     else:
       self._fused = jax.jit(self._full_step, donate_argnums=(0,))
+      self._update = jax.jit(self._apply, donate_argnums=(0,))
     self._grads = jax.jit(self._chunk_grads, donate_argnums=(4, 5))
-    self._zeros_fn = jax.jit(self._zeros, out_shardings=self._sharding("rep"))
-    self._update = jax.jit(self._apply, donate_argnums=(0,))
+    self._zeros_fn = jax.jit(self._zeros, out_shardings=self._sharding("data"))
     self._fused_exec = self._grads_exec = self._update_exec = None
 
   # a microbatch's loss and gradient; dropout's key from (seed, step, microbatch)
@@ -156,28 +157,39 @@ class TrainStep:
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
-  def _dp_local_grads(self, params, batches, step, offset, carry=None):
-    """This rank's microbatches' loss and gradients, summed across ranks exactly once.
+  def _combine(self, loss, grads, carry=None):
+    """This rank's loss and gradient sums, summed across ranks: the step's one combination.
 
     Between nodes with bf16 gradients, each device adds its carried rounding error to
     the node's f32 sum, sends that rounded to bf16, and keeps the new rounding error.
     """
-    rank = jax.lax.axis_index(self.axes)
-    per_rank = self.microbatches // self.ranks
-    loss, grads, losses, tapped = self._stacked_grads(params, batches, step,
-                                                      offset + rank * per_rank)
     loss = jax.lax.psum(loss, self.axes)
-    new_carry = None
     if carry is None:
-      grads = jax.lax.psum(grads, self.axes)
-    else:
-      node_sum = jax.lax.psum(grads, "gpu")
-      fed = jax.tree_util.tree_map(lambda g, c: g + c[0], node_sum, carry)
-      sent = jax.tree_util.tree_map(lambda e: e.astype(jnp.bfloat16), fed)
-      new_carry = jax.tree_util.tree_map(lambda e, q: (e - q.astype(jnp.float32))[None], fed, sent)
-      grads = jax.tree_util.tree_map(lambda q: jax.lax.psum(q, "node").astype(jnp.float32), sent)
+      return loss, jax.lax.psum(grads, self.axes), None
+    node_sum = jax.lax.psum(grads, "gpu")
+    fed = jax.tree_util.tree_map(lambda g, c: g + c[0], node_sum, carry)
+    sent = jax.tree_util.tree_map(lambda e: e.astype(jnp.bfloat16), fed)
+    new_carry = jax.tree_util.tree_map(lambda e, q: (e - q.astype(jnp.float32))[None], fed, sent)
+    grads = jax.tree_util.tree_map(lambda q: jax.lax.psum(q, "node").astype(jnp.float32), sent)
+    return loss, grads, new_carry
+
+  def _rank_grads(self, params, batches, step, offset):
+    """This rank's microbatches' loss and gradient sums (rank r takes r·K/R … of the step)."""
+    rank = jax.lax.axis_index(self.axes)
+    loss, grads, _, tapped = self._stacked_grads(params, batches, step,
+                                                 offset + rank * (self.microbatches // self.ranks))
     tapped = {n: jax.lax.all_gather(v, self.axes, tiled=True) for n, v in tapped.items()}
-    return loss, grads, tapped, new_carry
+    return loss, grads, tapped
+
+  def _dp_apply(self, state, loss, grads, tapped, stop):
+    """Combines the ranks' sums once, updates, and reads every rank's stop flag."""
+    loss, grads, carry = self._combine(loss, grads, state.get("carry"))
+    new_state, metrics = self._apply(state, loss, grads, tapped)
+    if carry is not None:
+      new_state["carry"] = carry
+    # every rank's stop flag, so a signal on one node stops all at the same step
+    flag = jax.lax.pmax(stop[0], self.axes).astype(jnp.float32)
+    return new_state, jnp.concatenate([metrics, flag[None]])
 
   def _state_specs(self, state):
     from jax.sharding import PartitionSpec as P
@@ -187,35 +199,47 @@ class TrainStep:
     from jax.sharding import PartitionSpec as P
 
     def inner(state, batches, stop):
-      loss, grads, tapped, carry = self._dp_local_grads(state["params"], batches, state["step"],
-                                                        0, state.get("carry"))
-      new_state, metrics = self._apply(state, loss, grads, tapped)
-      if carry is not None:
-        new_state["carry"] = carry
-      # every rank's stop flag, so a signal on one node stops all at the same step
-      flag = jax.lax.pmax(stop[0], self.axes).astype(jnp.float32)
-      return new_state, jnp.concatenate([metrics, flag[None]])
+      loss, grads, tapped = self._rank_grads(state["params"], batches, state["step"], 0)
+      return self._dp_apply(state, loss, grads, tapped, stop)
 
     specs = self._state_specs(state)
     return self._shard(inner, (specs, P(self.axes), P(self.axes)), (specs, P()))(
         state, batches, stop)
 
+  def _dp_update(self, state, loss, grads, tapped, stop):
+    """The update after K/(S·R) gradient calls: each rank's sums arrive split by rank."""
+    from jax.sharding import PartitionSpec as P
+
+    def inner(state, loss, grads, tapped, stop):
+      return self._dp_apply(state, loss[0], jax.tree_util.tree_map(lambda g: g[0], grads),
+                            tapped, stop)
+
+    specs = self._state_specs(state)
+    return self._shard(inner, (specs, P(self.axes), P(self.axes), P(), P(self.axes)),
+                       (specs, P()))(state, loss, grads, tapped, stop)
+
   def _chunk_local(self, params, batches, step, c, acc_loss, acc_grads):
-    """Adds chunk c's loss and gradients (microbatches c·S … (c+1)·S − 1) to the sums."""
+    """Adds chunk c's loss and gradients (microbatches c·S … (c+1)·S − 1) to the sums.
+
+    With several ranks the sums stay each rank's own (a leading axis of one here, of
+    R outside): they are combined once, in the update.
+    """
     s = self.stacking
     chunk = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, c * s, s), batches)
     if self.ranks > 1:
-      loss, grads, tapped, _ = self._dp_local_grads(params, chunk, step, c * s)
-    else:
-      loss, grads, _, tapped = self._stacked_grads(params, chunk, step, c * s)
+      loss, grads, tapped = self._rank_grads(params, chunk, step, c * s)
+      return (acc_loss + loss[None],
+              jax.tree_util.tree_map(lambda a, g: a + g[None], acc_grads, grads), tapped)
+    loss, grads, _, tapped = self._stacked_grads(params, chunk, step, c * s)
     return acc_loss + loss, jax.tree_util.tree_map(jnp.add, acc_grads, grads), tapped
 
   def _chunk_grads(self, params, batches, step, c, acc_loss, acc_grads):
     if self.ranks == 1:
       return self._chunk_local(params, batches, step, c, acc_loss, acc_grads)
     from jax.sharding import PartitionSpec as P
-    return self._shard(self._chunk_local, (P(), P(self.axes), P(), P(), P(), P()),
-                       (P(), P(), P()))(params, batches, step, c, acc_loss, acc_grads)
+    mine = P(self.axes)
+    return self._shard(self._chunk_local, (P(), mine, P(), P(), mine, mine),
+                       (mine, mine, P()))(params, batches, step, c, acc_loss, acc_grads)
 
   def _sharding(self, kind: str):
     """Replicated ("rep") or split over ranks ("data") on the mesh; None on one device."""
@@ -233,25 +257,30 @@ class TrainStep:
                                   tree)
 
   def _zeros(self, params):
-    return jnp.float32(0.0), jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                                                    params)
+    """The running sums of a stacked step: one per rank (a leading axis R) with several."""
+    lead = (self.ranks,) if self.ranks > 1 else ()
+    return (jnp.zeros(lead, jnp.float32),
+            jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params))
 
   def stop_flags(self, stop: bool = False):
     """This process's stop flag for each of its ranks, placed as the step expects."""
     local = np.full((len(self.mesh.local_devices),), int(stop), np.int32)
     return jax.make_array_from_process_local_data(self._sharding("data"), local, (self.ranks,))
 
+  def _stop_abstract(self):
+    return self._placed(jax.ShapeDtypeStruct((self.ranks,), jnp.int32), "data")
+
   def _place_state(self, state):
     return {k: self._placed(v, "data" if k == "carry" else "rep") for k, v in state.items()}
 
   def __call__(self, state, batches, stop=None):
     """One optimizer step over `batches` (leading axis K); returns (state, metrics vector)."""
+    if self.ranks > 1 and stop is None:
+      stop = self.stop_flags()
+    extra = (stop,) if self.ranks > 1 else ()
     if self.fused:
-      if self.ranks == 1:
-        return (self._fused_exec or self._fused)(state, batches)
-      stop = self.stop_flags() if stop is None else stop
-      return (self._fused_exec or self._fused)(state, batches, stop)
-    # K/S calls of the stacked gradient graph, each adding into f32 sums, then one update.
+      return (self._fused_exec or self._fused)(state, batches, *extra)
+    # K/(S·R) calls of the stacked gradient graph, each adding into f32 sums, then one update.
     loss, grads = self._zeros_fn(state["params"])
     fn = self._grads_exec or self._grads
     tapped = []
@@ -259,7 +288,7 @@ class TrainStep:
       loss, grads, t = fn(state["params"], batches, state["step"], jnp.int32(c), loss, grads)
       tapped.append(t)
     tap = {n: jnp.concatenate([t[n] for t in tapped]) for n in (tapped[0] if tapped else {})}
-    return (self._update_exec or self._update)(state, loss, grads, tap)
+    return (self._update_exec or self._update)(state, loss, grads, tap, *extra)
 
   def compile(self, state, batches):
     """Compiles the step ahead of time for these (abstract) inputs; returns the executable."""
@@ -278,13 +307,11 @@ class TrainStep:
       return {"train step": self.compile(state, batches)}
     grads = self.compile(state, batches)
     state = self._place_state(state)
-    params = state["params"]
-    f32 = self._placed(jax.tree_util.tree_map(
-        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params), "rep")
-    loss = self._placed(jax.ShapeDtypeStruct((), jnp.float32), "rep")
+    loss, sums = self._placed(jax.eval_shape(self._zeros, state["params"]), "data")
     tapped = self._placed({d.name: jax.ShapeDtypeStruct((self.microbatches,), jnp.float32)
                            for d in self.diags if d.kind == "tap"}, "rep")
-    update = self._update.lower(state, loss, f32, tapped).compile()
+    extra = (self._stop_abstract(),) if self.ranks > 1 else ()
+    update = self._update.lower(state, loss, sums, tapped, *extra).compile()
     self._grads_exec, self._update_exec = grads, update
     return {"gradient call": grads, "update": update}
 
@@ -292,11 +319,9 @@ class TrainStep:
     """The fused step lowered for abstract inputs (for memory and cost analysis)."""
     state, batches = self._place_state(state), self._placed(batches, "data")
     if self.fused:
-      if self.ranks == 1:
-        return self._fused.lower(state, batches)
-      stop = self._placed(jax.ShapeDtypeStruct((self.ranks,), jnp.int32), "data")
-      return self._fused.lower(state, batches, stop)
-    loss, grads = self._placed(jax.eval_shape(self._zeros, state["params"]), "rep")
+      extra = (self._stop_abstract(),) if self.ranks > 1 else ()
+      return self._fused.lower(state, batches, *extra)
+    loss, grads = self._placed(jax.eval_shape(self._zeros, state["params"]), "data")
     return self._grads.lower(state["params"], batches, state["step"], jnp.int32(0), loss, grads)
 
 

@@ -62,7 +62,7 @@ def shrink_hints(knobs: dict) -> list[str]:
 
 def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_steps: dict,
            pass_inputs: dict, device, checkpointing: bool, graph_fingerprint: str,
-           cache_dir: str, knobs: dict) -> Choice:
+           cache_dir: str, knobs: dict, several_nodes: bool = False) -> Choice:
   """Compiles the step at each stacking degree that could be used, and picks one.
 
   Args:
@@ -73,6 +73,7 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
     pass_steps, pass_inputs: pass name → PassStep, and its abstract (params, batch).
     device: the first device of the run.
     checkpointing: whether a copy of the state is kept while a checkpoint is written.
+    several_nodes: node 0's choice is every node's (nothing is measured).
 
   Raises:
     SxError: E-MEM-001 when no degree fits.
@@ -103,8 +104,14 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
   remembered = cache.get(graph_fingerprint, device_name(device))
   can_measure = all(p.total + state_total + p.reserve <= p.free for d, p in plans.items()
                     if fits[d])
+  why_not = "no room to measure"
+  if several_nodes:
+    can_measure, why_not = False, "several nodes do not measure"
   degree, how, text = mem.choose_stacking(per_rank, fits, predicted, None, remembered, fixed,
-                                          can_measure)
+                                          can_measure, why_not)
+  if several_nodes:  # each node's timings and choices.json may differ: node 0 decides for all
+    from sexpgpu.devices.nodes import follow_node_0
+    degree, how, text = follow_node_0("stacking", [degree, how, text])
   if how == "none":
     smallest = min(plans.values(), key=lambda p: p.total)
     raise mem.refuse(smallest, shrink_hints(knobs))

@@ -51,10 +51,6 @@ class Session:
     self.every_override = run.get("eval-every")
     per_rank = self.k // device.ranks
     self.stacking = opts.stacking or per_rank
-    if device.multiprocess and self.stacking != per_rank:
-      raise SxError("E-ENV-001", "several nodes run every microbatch of a rank in one call; "
-                    f"SEXPGPU_STACKING={self.stacking} is not {per_rank}",
-                    where="SEXPGPU_STACKING", fix="unset SEXPGPU_STACKING on multi-node runs")
     if per_rank % self.stacking:
       raise SxError("E-ENV-001", f"stacking {self.stacking} does not divide the {per_rank} "
                     "microbatches of each rank", where="SEXPGPU_STACKING",
@@ -279,7 +275,8 @@ class Session:
                    for n, p in c.exp.passes.items()}
     choice = plan.choose(self.train_step, self.k // self.place.ranks, fixed, self.state, batches,
                          self._pass_steps, pass_inputs, self.device, self.store is not None,
-                         c.graph_fingerprint, cache_dir(), c.selection.knobs)
+                         c.graph_fingerprint, cache_dir(), c.selection.knobs,
+                         several_nodes=self.place.multiprocess)
     self.choice = choice
     self.stacking = choice.degree
     self._annotate(choice)
@@ -322,8 +319,6 @@ class Session:
     self.t_first_step = None
     c = self.c
     fixed = self.o.stacking
-    if self.place.multiprocess:
-      fixed = self.k // self.place.ranks
     resume_meta = None
     if resume_dir is not None:
       from sexpgpu.ckpt import read_meta
@@ -440,7 +435,7 @@ class Session:
     import gc
     for attempt in (0, 1):
       try:
-        if st.ranks > 1 and st.fused:
+        if st.ranks > 1:
           return st(self.state, batches, st.stop_flags(sig.received or 0))
         return st(self.state, batches)
       except jax.errors.JaxRuntimeError as e:
