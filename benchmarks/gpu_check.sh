@@ -5,7 +5,8 @@
 #   3. 30 steps of gpt2-small on cuda: tokens/s (median of steps 6..30), the
 #      lowering report, and the `memory: peak X of Y planned` line
 #   4. SEXPGPU_DETERMINISTIC=1: 6 steps straight vs 3 steps + --resume of step 3,
-#      the losses of steps 4..6 bitwise equal
+#      the losses of steps 4..6 bitwise equal; the checkpoint keeps XLA's autotuning
+#      results (read back by the resume)
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (DEVICE=cpu rehearses 3-4 on the cpu
 # with the smoke variant; doctor then runs without --device cuda)
 # Exit 0 when every step passed; each step prints `PASS|FAIL|WARN <step>: ...`.
@@ -95,6 +96,12 @@ a, b = losses(sys.argv[1]), losses(sys.argv[2])
 both = sorted(set(a) & set(b))
 print("straight", [a[s] for s in both], "resumed", [b[s] for s in both])
 sys.exit(0 if both == [4, 5, 6] and all(a[s] == b[s] for s in both) else 1)
+PY
+  python - "$STEP3/meta/metadata" <<'PY' && say "PASS autotune: the step-3 checkpoint keeps XLA's autotuning results" || say "WARN autotune: the step-3 checkpoint holds no autotuning results (nothing autotuned?)"
+import json, sys
+tuned = json.load(open(sys.argv[1])).get("xla_autotune")
+print("autotune results:", len(tuned["results"]) if tuned else 0, "characters")
+sys.exit(0 if tuned and tuned["results"] else 1)
 PY
 else
   fail "resume: a run failed or no step-3 checkpoint: $(tail -5 "$OUT"/det-*.err | tr '\n' ' ')"

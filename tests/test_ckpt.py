@@ -20,8 +20,8 @@ import pytest
 
 from s3server import KillableProxy
 
-from sexpgpu.ckpt import (CheckpointInfo, CheckpointStore, read_meta, resolve_resume,
-                          restore_checkpoint)
+from sexpgpu.ckpt import (CheckpointInfo, CheckpointStore, peek_meta, read_meta,
+                          resolve_resume, restore_checkpoint)
 from sexpgpu.ckpt.store import local_steps
 from sexpgpu.errors import SxError
 
@@ -68,6 +68,8 @@ def test_local_roundtrip_bitwise(tmp_path):
   got, got_meta = restore_checkpoint(f"{tmp_path}/run/5", abstract)
   assert got_meta == meta
   assert read_meta(f"{tmp_path}/run/5") == meta
+  assert peek_meta(f"{tmp_path}/run/5") == meta  # as plain JSON, before any backend starts
+  assert peek_meta(f"{tmp_path}/run/6") is None
   assert isinstance(got["opt"][0], optax.ScaleByAdamState)
   assert type(got["opt"]) is type(state["opt"])
   assert_bitwise(got, state)
@@ -311,6 +313,7 @@ def test_s3_roundtrip_fresh_store_and_markers(s3):
   assert fresh.latest() == f"{loc}/run/1"
   got, meta = restore_checkpoint(fresh.latest(), state)
   assert meta == {"fp": "one"} and read_meta(f"{loc}/run/1") == {"fp": "one"}
+  assert peek_meta(f"{loc}/run/1") == {"fp": "one"}
   assert isinstance(got["opt"][0], optax.ScaleByAdamState)
   assert_bitwise(got, state)
   # A step folder without its marker never counts.

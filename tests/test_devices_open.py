@@ -54,6 +54,40 @@ def test_deterministic_variable_is_checked(monkeypatch):
   assert "--xla_gpu_deterministic_ops=true" in os.environ["XLA_FLAGS"]
 
 
+def _flag(name):
+  return {k: v for k, _, v in (f.lstrip("-").partition("=")
+                               for f in os.environ["XLA_FLAGS"].split())}.get(name)
+
+
+def test_deterministic_runs_keep_autotuning_with_the_checkpoint(monkeypatch, tmp_path):
+  """Under SEXPGPU_DETERMINISTIC=1 XLA writes its autotuning results to a file; a
+  checkpoint's meta carries them; a resume loads them before the backend starts."""
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path))
+  monkeypatch.setenv("SEXPGPU_DETERMINISTIC", "1")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=2")
+  devices.deterministic_flags()
+  dump = _flag("xla_gpu_dump_autotune_results_to")
+  assert dump == devices.autotune_dump_path() and dump.startswith(str(tmp_path / "autotune"))
+  assert _flag("xla_gpu_autotune_level") == "2" and _flag("xla_gpu_load_autotune_results_from") is None
+  assert devices.autotune_results() is None  # nothing autotuned yet
+  with open(dump, "w") as f:  # what XLA writes after a compilation that autotuned
+    f.write("version: 3\nresults { device: \"sm_90\" }\n")
+  tuned = devices.autotune_results()
+  assert tuned["results"].startswith("version: 3") and tuned["jaxlib"]
+  meta = {"step": 3, "xla_autotune": tuned}
+  assert devices.autotune_of(meta) == tuned
+  assert devices.autotune_of({"xla_autotune": dict(tuned, jaxlib="0.0.1")}) is None
+  assert devices.autotune_of({"step": 3}) is None and devices.autotune_of(None) is None
+  monkeypatch.setenv("XLA_FLAGS", "")
+  devices.deterministic_flags(tuned)
+  loaded = _flag("xla_gpu_load_autotune_results_from")
+  assert open(loaded).read() == tuned["results"]
+  monkeypatch.setenv("SEXPGPU_DETERMINISTIC", "0")
+  monkeypatch.setenv("XLA_FLAGS", "")
+  devices.deterministic_flags(tuned)
+  assert os.environ["XLA_FLAGS"] == "" and devices.autotune_results() is None
+
+
 @pytest.mark.parametrize("name,value", [("SEXPGPU_MEMORY", "lots"), ("SEXPGPU_PATTERNS", "maybe"),
                                         ("SEXPGPU_RENDEZVOUS_TIMEOUT", "-3"),
                                         ("SEXPGPU_DETERMINISTIC", "yes"),

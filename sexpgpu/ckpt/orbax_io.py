@@ -60,6 +60,10 @@ def manager(root: str, keep: int | None, asynchronous: bool) -> ocp.CheckpointMa
   return ocp.CheckpointManager(root, options=options, item_names=("state", "meta"))
 
 
+# where orbax's JsonSave puts the meta item inside a step folder
+META_FILE = "meta/metadata"
+
+
 def save_args(state: Any, meta: dict) -> ocp.args.Composite:
   """The Composite args for one checkpoint: the state pytree and the meta JSON."""
   return ocp.args.Composite(state=ocp.args.StandardSave(state),

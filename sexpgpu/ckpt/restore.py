@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -89,6 +90,21 @@ def read_meta(step_dir: str) -> dict:
     SxError: E-CKPT-003 when missing, incomplete or unreadable.
   """
   return _read(step_dir, orbax_io.restore_meta, only="meta")
+
+
+def peek_meta(step_dir: str) -> dict | None:
+  """The meta dict read as plain JSON, without orbax (nothing starts a JAX backend), or
+  None when it cannot be read: for settings that must be known before the device opens.
+  The restore proper reports a bad checkpoint later, with its error code."""
+  path = join(step_dir, orbax_io.META_FILE)
+  try:
+    if is_remote(step_dir):
+      with remote_fs(step_dir, "--resume").open(path, "r") as f:
+        return json.load(f)
+    with open(path) as f:
+      return json.load(f)
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def restore_checkpoint(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:

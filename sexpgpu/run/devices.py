@@ -55,18 +55,75 @@ def cpu_flags() -> None:
     os.environ["XLA_FLAGS"] = (flags + " " + CPU_XLA_FLAGS).strip()
 
 
-def deterministic_flags() -> None:
-  """SEXPGPU_DETERMINISTIC=1: XLA's deterministic GPU ops (set before the backend starts)."""
+def deterministic() -> bool:
+  """Whether SEXPGPU_DETERMINISTIC asks for bitwise-reproducible GPU runs.
+
+  Raises:
+    SxError: E-ENV-001 when it is neither 0 nor 1.
+  """
   v = os.environ.get("SEXPGPU_DETERMINISTIC", "")
-  if v in ("", "0"):
-    return
-  if v != "1":
+  if v not in ("", "0", "1"):
     raise SxError("E-ENV-001", f"SEXPGPU_DETERMINISTIC={v} is not 0 or 1",
                   where="SEXPGPU_DETERMINISTIC", fix="SEXPGPU_DETERMINISTIC=1")
+  return v == "1"
+
+
+def _autotune_dir() -> str:
+  from sexpgpu.run.compile import cache_dir
+  path = os.path.join(cache_dir(), "autotune")
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+def autotune_dump_path() -> str:
+  """Where XLA writes this process's GPU autotuning results (all of them, at each compile)."""
+  return os.path.join(_autotune_dir(), f"run-{os.getpid()}.textproto")
+
+
+def deterministic_flags(autotune: dict | None = None) -> None:
+  """SEXPGPU_DETERMINISTIC=1: XLA's deterministic GPU ops, and its autotuning results
+  written to a file that checkpoints keep. `autotune` (a checkpoint's `xla_autotune`)
+  is read back instead of autotuning again, so a resumed run picks the same kernels.
+  Set before the backend starts; a flag the user set in XLA_FLAGS is left alone."""
+  if not deterministic():
+    return
   flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_gpu_deterministic_ops" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_deterministic_ops=true "
-                               "--xla_gpu_exclude_nondeterministic_ops=true").strip()
+  want = {"xla_gpu_deterministic_ops": "true", "xla_gpu_exclude_nondeterministic_ops": "true",
+          "xla_gpu_dump_autotune_results_to": autotune_dump_path()}
+  if autotune is not None:
+    path = os.path.join(_autotune_dir(), f"run-{os.getpid()}.resumed.textproto")
+    with open(path, "w") as f:
+      f.write(autotune["results"])
+    want["xla_gpu_load_autotune_results_from"] = path
+  for name, value in want.items():
+    if name not in flags:
+      flags += f" --{name}={value}"
+  os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def autotune_results() -> dict | None:
+  """This process's autotuning results for a checkpoint's meta, under SEXPGPU_DETERMINISTIC."""
+  if not deterministic():
+    return None
+  try:
+    with open(autotune_dump_path()) as f:
+      text = f.read()
+  except OSError:  # nothing was autotuned (or not on a GPU)
+    return None
+  return {"jaxlib": _jaxlib_version(), "results": text} if text else None
+
+
+def autotune_of(meta: dict | None) -> dict | None:
+  """A checkpoint's autotuning results, when this jaxlib can read them back."""
+  got = (meta or {}).get("xla_autotune")
+  if not got or got.get("jaxlib") != _jaxlib_version():
+    return None
+  return got
+
+
+def _jaxlib_version() -> str:
+  from importlib import metadata
+  return metadata.version("jaxlib")
 
 
 def peak_bytes(device) -> int | None:

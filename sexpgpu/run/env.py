@@ -31,7 +31,7 @@ def stacking_from_env() -> int | None:
 def check_variables() -> None:
   """Every SEXPGPU_* variable that must parse, checked before anything runs (E-ENV-001)."""
   from sexpgpu.devices.env import parse_memory, rendezvous_timeout
-  from sexpgpu.run.devices import deterministic_flags
+  from sexpgpu.run.devices import deterministic
   choices = {"SEXPGPU_PATTERNS": ("on", "off"), "SEXPGPU_CPU_COLLECTIVES": ("gloo",)}
   for name, allowed in choices.items():
     v = _env(name)
@@ -42,8 +42,7 @@ def check_variables() -> None:
     parse_memory(os.environ["SEXPGPU_MEMORY"])
   rendezvous_timeout()
   stacking_from_env()
-  if _env("SEXPGPU_DETERMINISTIC") not in (None, "0", "1"):
-    deterministic_flags()  # raises, naming the variable
+  deterministic()  # raises, naming the variable
 
 
 def run_options(path: str, fv) -> RunOptions:

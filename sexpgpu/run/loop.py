@@ -144,6 +144,9 @@ class Trainer:
     ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
     t_open = time.perf_counter()
     self.rdv = None
+    if o.device == "cuda":  # before anything starts the backend, on one node or several
+      from sexpgpu.run.devices import autotune_of, deterministic, deterministic_flags
+      deterministic_flags(autotune_of(self._resume_meta()) if deterministic() else None)
     if self.nodes_cfg is not None:
       from sexpgpu.devices import nodes
       from sexpgpu.devices.env import rendezvous_timeout
@@ -187,6 +190,17 @@ class Trainer:
     with _Signals() as sig:
       summary = sess.train(resume_dir, sig, t0, open_s)
     return summary
+
+  def _resume_meta(self) -> dict | None:
+    """The meta of the checkpoint --resume names, read before the device opens, or None."""
+    from sexpgpu.ckpt import peek_meta, resolve_resume
+    if not self.o.resume:
+      return None
+    try:
+      step_dir, _ = resolve_resume(self.o.resume, self.o.checkpoint_dir, self.c.slug)
+    except SxError:
+      return None  # reported with its code when the run resolves it again
+    return peek_meta(step_dir) if step_dir else None
 
   def _checkpoint_setup(self):
     o = self.o

@@ -159,7 +159,7 @@ class Session:
   def meta(self, step: int) -> dict:
     from sexpgpu.run.loop import _jsonable, _versions
     c = self.c
-    return {"fingerprint": c.fingerprint, "graph_fingerprint": c.graph_fingerprint,
+    meta = {"fingerprint": c.fingerprint, "graph_fingerprint": c.graph_fingerprint,
             "slug": c.slug, "step": step, "stage": self.stage, "ranks": self.place.ranks,
             "nodes": self.place.nodes, "node_gradients": self.node_gradients,
             "stacking": self.stacking, "counters": dict(self.counters),
@@ -167,6 +167,12 @@ class Session:
             "loaders": {n: ld.state() for n, ld in c.loaders.items()},
             "knobs": {k: _jsonable(v.value) for k, v in c.selection.knobs.items()},
             "versions": _versions(), "sources": dict(c.program.sources)}
+    if self.device.platform != "cpu":
+      from sexpgpu.run.devices import autotune_results
+      tuned = autotune_results()  # under SEXPGPU_DETERMINISTIC: a resume picks the same kernels
+      if tuned is not None:
+        meta["xla_autotune"] = tuned
+    return meta
 
   def save(self, step: int, wait: bool) -> None:
     if self.store is None:
