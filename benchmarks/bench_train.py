@@ -7,7 +7,8 @@ Each leg (a: sexpgpu, b: JAX+optax, c: PyTorch) trains the transformer of
 benchmarks/transformer.sx (std/lm.sx's `transformer-lm`) on the same Markov
 batches from the same initial parameters. Every leg runs in its own
 subprocess (so its peak RSS is its own), R rounds in a rotating order, and the
-ratios come from the medians of the pooled post-warm-up steps of one run.
+ratios are the medians of the rounds' paired ratios (each round's legs run
+back to back; a round's leg time is the median of its post-warm-up steps).
 
 The baselines (b) and (c) do the work sexpgpu's step does: every step's loss,
 gradient norm and learning rate reach the host, and a step whose loss or
@@ -44,7 +45,12 @@ SHAPES = {
     "compute": {"vocab": 256, "width": 256, "layers": 4, "heads": 4, "seq": 96, "batch": 8,
                 "microbatches": 2},
 }
-DEFAULT_STEPS = {"tiny": 300, "compute": 12}
+DEFAULT_STEPS = {"tiny": 1500, "compute": 10}
+# Steps dropped before timing. At the tiny shape a process's first few hundred steps
+# run slower than its steady state (measured in 3000-step legs: sexpgpu's first 300
+# ~10% slower, the hand loop's ~4%), and 150 steps take a tenth of a second, too short
+# to outlast this machine's slow spells; so tiny legs warm up for 300 steps and time 1500.
+DEFAULT_WARMUP = {"tiny": 300, "compute": 3}
 LEGS = ("sexpgpu", "jax", "jax-bare", "torch", "torch-bare")
 PRE = "lm/transformer-lm/"
 BLK = PRE + "repeat/block/"
@@ -347,11 +353,14 @@ def report(res: dict) -> list[str]:
     if other not in L:
       continue
     o = L[other]
-    r_step, r_loop = a["tok_s"] / o["tok_s"], a["loop_tok_s"] / o["loop_tok_s"]
-    # each round's ratio, legs run back to back: the spread shows the machine's noise
+    # Each round runs the legs back to back, so a round's ratio is a paired comparison
+    # that the machine's drift between rounds does not bias; the ratio is their median.
     per_round = [y / x for x, y in zip(a["round_step_s"], o["round_step_s"])]
-    lines.append(f"ratio {res['shape']} sexpgpu/{other}: step {r_step:.3f} (rounds "
-                 f"{min(per_round):.2f}..{max(per_round):.2f})  loop {r_loop:.3f}  "
+    r_step = statistics.median(per_round)
+    pooled, r_loop = a["tok_s"] / o["tok_s"], a["loop_tok_s"] / o["loop_tok_s"]
+    lines.append(f"ratio {res['shape']} sexpgpu/{other}: step {r_step:.3f} (median of "
+                 f"{len(per_round)} rounds, {min(per_round):.2f}..{max(per_round):.2f}; pooled "
+                 f"{pooled:.3f})  loop {r_loop:.3f}  "
                  f"first-step time {a['first_s'] / o['first_s']:.2f}" + (
                      "" if target is None else f"  target step >= {target}: "
                      f"{'met' if r_step >= target else 'MISSED'}"))
@@ -366,8 +375,8 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shape", default="both", choices=["tiny", "compute", "both"])
   ap.add_argument("--steps", type=int, default=None, help="measured steps a leg a round")
-  ap.add_argument("--warmup", type=int, default=5)
-  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--warmup", type=int, default=None, help="steps dropped before timing")
+  ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--legs", default=",".join(LEGS))
   ap.add_argument("--jax-scan", action="store_true",
                   help="the JAX baseline scans over layers (as sexpgpu's repeat) not unrolled")
@@ -383,7 +392,8 @@ def main(argv=None) -> int:
     print("torch is not importable: skipping the PyTorch leg")
   results = []
   for name in (["tiny", "compute"] if a.shape == "both" else [a.shape]):
-    res = bench_shape(name, a.steps or DEFAULT_STEPS[name], a.warmup, a.rounds, legs, a.jax_scan)
+    warmup = DEFAULT_WARMUP[name] if a.warmup is None else a.warmup
+    res = bench_shape(name, a.steps or DEFAULT_STEPS[name], warmup, a.rounds, legs, a.jax_scan)
     results.append(res)
     print("\n".join(report(res)), flush=True)
   if a.json:

@@ -45,7 +45,7 @@ def main() -> int:
   c = exp._c
   loader = c.loaders["train"]
   opt, sched = make_optimizer(c.exp.optimizer, 100)
-  st = TrainStep(c.stages[0].graph, opt, sched, "f32", k, k, 1, "stop", ())
+  st = TrainStep(c.stages[0].graph, opt, sched, "f32", k, k, 1, "stop", (), platform="cpu")
   state = init_state(init_params(1, c.params), opt)
   b0 = jax.device_put(S._stack([loader.next() for _ in range(k)]))
   st.compile(jax.eval_shape(lambda: state), jax.eval_shape(lambda: b0))

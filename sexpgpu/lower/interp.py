@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import jax
@@ -59,8 +61,8 @@ def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, ta
     layer_params, i = xs
     local = dict(env)
     local[body.carry.uid] = carry
-    sub = LowerCtx(ctx.precision, None if ctx.rng is None else jax.random.fold_in(ctx.rng, i),
-                   ctx.training, ctx.notes)
+    sub = dataclasses.replace(ctx, rng=None if ctx.rng is None else
+                              jax.random.fold_in(ctx.rng, i))
     layer_taps = {} if taps is not None else None
     _eval([body.output], local, {**outer_params, **layer_params}, inputs, sub, layer_taps)
     out = local[body.output.uid]

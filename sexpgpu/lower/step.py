@@ -59,6 +59,7 @@ class TrainStep:
   diags: tuple[Diag, ...] = ()
   mesh: Any = None  # the data-parallel mesh: ("data",), or ("node", "gpu") over nodes
   node_gradients: str = "f32"  # between nodes: "f32" exact, or "bf16" with error feedback
+  platform: str | None = None  # "cpu" or "gpu": lowering rules that differ by device
 
   def __post_init__(self):
     self.ranks = 1 if self.mesh is None else self.mesh.size
@@ -83,7 +84,7 @@ class TrainStep:
   # a microbatch's loss and gradient; dropout's key from (seed, step, microbatch)
   def _loss_and_grad(self, params, batch, step, index):
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
-    ctx = LowerCtx(self.precision, rng, True, self.notes)
+    ctx = LowerCtx(self.precision, rng, True, self.notes, self.platform)
 
     def loss_fn(p):
       taps = {} if any(d.kind == "tap" for d in self.diags) else None

@@ -70,7 +70,7 @@ def lowered_text(c, what: str, device_kind: str) -> str:
 
   def make_step(degree):
     return TrainStep(graph, opt, sched, str(run["precision"]), k, degree, int(run["seed"]),
-                     str(run["on-nan"]), (), place.mesh)
+                     str(run["on-nan"]), (), place.mesh, platform=place.first.platform)
 
   if what == "hlo":
     return make_step(k).lowered(state, batches).as_text() + "\n"

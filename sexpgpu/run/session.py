@@ -83,7 +83,7 @@ class Session:
       opt, sched = make_optimizer(st.exp.optimizer, self.steps)
       self._train_steps[key] = TrainStep(st.graph, opt, sched, self.precision, self.k, key[1],
                                          self.seed, self.on_nan, self.diags, self.place.mesh,
-                                         self.node_gradients)
+                                         self.node_gradients, self.device.platform)
     return self._train_steps[key]
 
   def pass_every(self, p) -> int | None:
