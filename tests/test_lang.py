@@ -286,6 +286,20 @@ def test_verifier_rejects_a_node_whose_type_lies():
     verify(broken)
 
 
+def test_check_plans_for_the_devices_of_sexpgpu_devices():
+  env = dict(os.environ, SEXPGPU_DEVICES="0,1")
+  r = subprocess.run(sexpgpu_cmd("check", TINY, "--variant", "smoke", "--set", "microbatches=4",
+                                 "--print", "plan"), capture_output=True, text=True, cwd=ROOT,
+                     env=env, timeout=300)
+  assert r.returncode == 0, r.stderr
+  assert "on cpu x2" in r.stdout  # each rank's share of 4 microbatches: degrees 2 and 1
+  assert "degree 2" in r.stdout and "degree 1" in r.stdout and "degree 4" not in r.stdout
+  r = subprocess.run(sexpgpu_cmd("check", TINY, "--variant", "smoke", "--set", "microbatches=3",
+                                 "--print", "plan"), capture_output=True, text=True, cwd=ROOT,
+                     env=env, timeout=300)
+  assert r.returncode == 1 and r.stderr.startswith("error[E-DP-003]"), r.stderr
+
+
 @pytest.mark.parametrize("what,needle", [("jaxpr", "lambda"), ("hlo", "func.func public @main"),
                                          ("plan", "stacking")])
 def test_check_prints_lowered_forms_without_training(what, needle):

@@ -112,3 +112,22 @@ def test_measured_when_close_then_remembered(monkeypatch, tmp_path):
   again = _annotations(m2, "stacking")[-1]
   assert again["how"] == "remembered" and again["degree"] == entry["degree"]
   assert second.train_loss == first.train_loss  # the same degree, the same sums
+
+
+def test_remembered_choices_are_kept_apart_by_rank_count(tmp_path):
+  """A degree chosen for one device's share of the microbatches is not another count's."""
+  env = dict(os.environ, SEXPGPU_CACHE_DIR=str(tmp_path / "cache"))
+  for k in ("SEXPGPU_DEVICES", "SEXPGPU_STACKING"):
+    env.pop(k, None)
+  args = ("--variant", "smoke", "--set", "microbatches=4", "--steps", "2")
+  notes = []
+  for name, devices in (("one", None), ("two", "0,1")):
+    m = tmp_path / f"{name}.jsonl"
+    e = dict(env, **({"SEXPGPU_DEVICES": devices} if devices else {}))
+    p = subprocess.run(sexpgpu_cmd("run", TINY, *args, "--metrics", f"jsonl:{m}"), cwd=ROOT,
+                       env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    notes.append(_annotations(m, "stacking")[-1])
+  assert notes[1]["how"] != "remembered"
+  keys = sorted(json.load(open(tmp_path / "cache" / "choices.json")))
+  assert len(keys) == 2 and keys[0].endswith("|cpu:cpu") and keys[1].endswith("|cpu:cpu x2")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from sexpgpu.ir.printer import print_graph
 from sexpgpu.lang.select import format_value
 from sexpgpu.run.compile import compile_file
@@ -53,7 +55,7 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   from sexpgpu.lower.interp import run_graph
   from sexpgpu.lower.optim import make_optimizer
   from sexpgpu.lower.step import TrainStep, init_state
-  from sexpgpu.run.devices import open_devices
+  from sexpgpu.run.devices import microbatches_divide, open_devices, parse_device_list
   graph = c.stages[0].graph
   run = c.exp.run
   k = int(run["microbatches"])
@@ -63,7 +65,8 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   if what == "jaxpr":
     ctx = LowerCtx(str(run["precision"]))
     return str(jax.make_jaxpr(lambda p, b: run_graph(graph, p, b, ctx)["out"])(params, batch)) + "\n"
-  place = open_devices(device_kind, None)
+  place = open_devices(device_kind, parse_device_list(os.environ.get("SEXPGPU_DEVICES")))
+  microbatches_divide(k, place.ranks)
   opt, sched = make_optimizer(c.exp.optimizer, int(run["steps"]))
   state = jax.eval_shape(lambda: init_state(init_params(int(run["seed"]), c.params), opt))
   batches = {f: jax.ShapeDtypeStruct((k,) + b.shape, b.dtype) for f, b in batch.items()}
@@ -76,9 +79,11 @@ def lowered_text(c, what: str, device_kind: str) -> str:
     return make_step(k).lowered(state, batches).as_text() + "\n"
   from sexpgpu.run import plan
   from sexpgpu.run.compile import cache_dir
-  choice = plan.choose(make_step, k, None, state, batches, {}, {}, place.first, False,
-                       c.graph_fingerprint, cache_dir(), c.selection.knobs)
-  lines = [f"plan: {c.slug} on {place.first.platform}",
+  choice = plan.choose(make_step, k // place.ranks, None, state, batches, {}, {}, place.first,
+                       False, c.graph_fingerprint, cache_dir(), c.selection.knobs,
+                       ranks=place.ranks)
+  ranks = f" x{place.ranks}" if place.ranks > 1 else ""
+  lines = [f"plan: {c.slug} on {place.first.platform}{ranks}",
            f"  memory      {choice.plan.text()} (peak in {choice.plan.peak_at})"]
   lines += [f"    {name:<26} {_bytes(v)}" for name, v in choice.plan.parts.items()]
   lines.append(f"  stacking    {choice.text}")

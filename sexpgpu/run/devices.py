@@ -236,6 +236,14 @@ class Placement:
     return self._jax.device_put(tree, self._shard)
 
 
+def microbatches_divide(k: int, ranks: int) -> None:
+  """Raises E-DP-003 unless the step's K microbatches split evenly over the ranks."""
+  if k % ranks:
+    raise SxError("E-DP-003", f"the {k} microbatches do not divide over {ranks} devices",
+                  where="SEXPGPU_DEVICES", fix="pick a device count that divides "
+                  ":microbatches, or --set microbatches=N")
+
+
 def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Placement:
   """Opens the device kind and the ranks SEXPGPU_DEVICES names (all visible GPUs when unset).
 

@@ -16,7 +16,8 @@ from sexpgpu.ir.values import Env
 from sexpgpu.lang.select import format_value
 from sexpgpu.run import output
 from sexpgpu.run.compile import Compiled, cache_dir
-from sexpgpu.run.devices import CompileCounter, open_devices, parse_device_list
+from sexpgpu.run.devices import (CompileCounter, microbatches_divide, open_devices,
+                                 parse_device_list)
 
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGHUP: "SIGHUP"}
 
@@ -160,10 +161,7 @@ class Trainer:
       self.rdv = nodes.initialize(self.nodes_cfg, rendezvous_timeout(), on_timeout, ordinals)
     device = open_devices(o.device, ordinals, self.nodes_cfg)
     open_s = time.perf_counter() - t_open
-    if self.k % device.ranks:
-      raise SxError("E-DP-003", f"the {self.k} microbatches do not divide over {device.ranks} "
-                    "devices", where="SEXPGPU_DEVICES", fix="pick a device count that divides "
-                    ":microbatches, or --set microbatches=N")
+    microbatches_divide(self.k, device.ranks)
     store, resume_dir, resume_text = self._checkpoint_setup()
     self.metrics = open_metrics(o.metrics if self.node == 0 else None, c.slug)
     self._log(output.config_line(

@@ -38,8 +38,11 @@ def _rates(device) -> dict:
   return _RATES[key]
 
 
-def device_name(device) -> str:
-  return f"{device.platform}:{getattr(device, 'device_kind', '')}"
+def device_name(device, ranks: int = 1) -> str:
+  """choices.json's device part: the kind, and the rank count when data parallel (a
+  degree measured for one device's share of the microbatches says nothing of another's)."""
+  name = f"{device.platform}:{getattr(device, 'device_kind', '')}"
+  return name if ranks == 1 else f"{name} x{ranks}"
 
 
 def predict(executables: dict, degree: int, per_rank: int, rates: dict) -> float:
@@ -62,7 +65,8 @@ def shrink_hints(knobs: dict) -> list[str]:
 
 def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_steps: dict,
            pass_inputs: dict, device, checkpointing: bool, graph_fingerprint: str,
-           cache_dir: str, knobs: dict, several_nodes: bool = False) -> Choice:
+           cache_dir: str, knobs: dict, several_nodes: bool = False,
+           ranks: int = 1) -> Choice:
   """Compiles the step at each stacking degree that could be used, and picks one.
 
   Args:
@@ -74,6 +78,7 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
     device: the first device of the run.
     checkpointing: whether a copy of the state is kept while a checkpoint is written.
     several_nodes: node 0's choice is every node's (nothing is measured).
+    ranks: data-parallel ranks in all (choices.json keeps each count apart).
 
   Raises:
     SxError: E-MEM-001 when no degree fits.
@@ -101,7 +106,7 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
     rates = _rates(device)
     predicted = {d: predict(execs[d], d, per_rank, rates) for d in degrees}
   cache = mem.ChoiceCache(os.path.join(cache_dir, "choices.json"))
-  remembered = cache.get(graph_fingerprint, device_name(device))
+  remembered = cache.get(graph_fingerprint, device_name(device, ranks))
   can_measure = all(p.total + state_total + p.reserve <= p.free for d, p in plans.items()
                     if fits[d])
   why_not = "no room to measure"
@@ -118,9 +123,9 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
   # The cost model's inputs are timed per process, so its choice is remembered too: every
   # later run of this graph on this device then sums its gradients in the same order.
   if how == "model":
-    cache.put(graph_fingerprint, device_name(device), degree, None)
+    cache.put(graph_fingerprint, device_name(device, ranks), degree, None)
   elif how == "remembered":
-    entry = cache._load().get(cache.key(graph_fingerprint, device_name(device)), {})
+    entry = cache._load().get(cache.key(graph_fingerprint, device_name(device, ranks)), {})
     if not entry.get("measured_s"):
       text = (f"{degree}: the cost model's choice for this graph on this device, remembered "
               "(choices.json)")
@@ -130,7 +135,7 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
 
 
 def measure(choice: Choice, make_step, state, batches, per_rank: int, graph_fingerprint: str,
-            device, cache_dir: str) -> Choice:
+            device, cache_dir: str, ranks: int = 1) -> Choice:
   """Times one step at each close degree on a copy of the state, keeps the fastest, remembers it."""
   measured = {}
   for d in choice.candidates:
@@ -155,5 +160,5 @@ def measure(choice: Choice, make_step, state, batches, per_rank: int, graph_fing
   degree, how, text = mem.choose_stacking(per_rank, choice.fits, choice.predicted, measured,
                                           None, None)
   mem.ChoiceCache(os.path.join(cache_dir, "choices.json")).put(
-      graph_fingerprint, device_name(device), degree, measured)
+      graph_fingerprint, device_name(device, ranks), degree, measured)
   return dataclasses.replace(choice, degree=degree, how=how, text=text, candidates=[])

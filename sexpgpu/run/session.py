@@ -282,7 +282,7 @@ class Session:
     choice = plan.choose(self.train_step, self.k // self.place.ranks, fixed, self.state, batches,
                          self._pass_steps, pass_inputs, self.device, self.store is not None,
                          c.graph_fingerprint, cache_dir(), c.selection.knobs,
-                         several_nodes=self.place.multiprocess)
+                         several_nodes=self.place.multiprocess, ranks=self.place.ranks)
     self.choice = choice
     self.stacking = choice.degree
     self._annotate(choice)
@@ -310,7 +310,7 @@ class Session:
     from sexpgpu.run.compile import cache_dir
     self.choice = plan.measure(self.choice, self.train_step, self.state, batches,
                                self.k // self.place.ranks, self.c.graph_fingerprint, self.device,
-                               cache_dir())
+                               cache_dir(), self.place.ranks)
     self.stacking = self.choice.degree
     self._emit_stacking(self.choice)
 
