@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
@@ -88,17 +89,28 @@ def deterministic_flags(autotune: dict | None = None) -> None:
   if not deterministic():
     return
   flags = os.environ.get("XLA_FLAGS", "")
+  ours = [autotune_dump_path()]
   want = {"xla_gpu_deterministic_ops": "true", "xla_gpu_exclude_nondeterministic_ops": "true",
-          "xla_gpu_dump_autotune_results_to": autotune_dump_path()}
+          "xla_gpu_dump_autotune_results_to": ours[0]}
   if autotune is not None:
-    path = os.path.join(_autotune_dir(), f"run-{os.getpid()}.resumed.textproto")
-    with open(path, "w") as f:
+    ours.append(os.path.join(_autotune_dir(), f"run-{os.getpid()}.resumed.textproto"))
+    with open(ours[1], "w") as f:
       f.write(autotune["results"])
-    want["xla_gpu_load_autotune_results_from"] = path
+    want["xla_gpu_load_autotune_results_from"] = ours[1]
   for name, value in want.items():
     if name not in flags:
       flags += f" --{name}={value}"
   os.environ["XLA_FLAGS"] = flags.strip()
+  atexit.register(_remove, *ours)
+
+
+def _remove(*paths: str) -> None:
+  """This process's autotuning files, once it ends (its checkpoints hold what they need)."""
+  for path in paths:
+    try:
+      os.remove(path)
+    except OSError:
+      pass
 
 
 def autotune_results() -> dict | None:
