@@ -106,7 +106,8 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
     rates = _rates(device)
     predicted = {d: predict(execs[d], d, per_rank, rates) for d in degrees}
   cache = mem.ChoiceCache(os.path.join(cache_dir, "choices.json"))
-  remembered = cache.get(graph_fingerprint, device_name(device, ranks))
+  name = device_name(device, ranks)
+  remembered = cache.get(graph_fingerprint, name)
   can_measure = all(p.total + state_total + p.reserve <= p.free for d, p in plans.items()
                     if fits[d])
   why_not = "no room to measure"
@@ -123,9 +124,9 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
   # The cost model's inputs are timed per process, so its choice is remembered too: every
   # later run of this graph on this device then sums its gradients in the same order.
   if how == "model":
-    cache.put(graph_fingerprint, device_name(device, ranks), degree, None)
+    cache.put(graph_fingerprint, name, degree, None)
   elif how == "remembered":
-    entry = cache._load().get(cache.key(graph_fingerprint, device_name(device, ranks)), {})
+    entry = cache._load().get(cache.key(graph_fingerprint, name), {})
     if not entry.get("measured_s"):
       text = (f"{degree}: the cost model's choice for this graph on this device, remembered "
               "(choices.json)")
