@@ -35,6 +35,17 @@ def _norm(tree: dict, prefix: str | None) -> Any:
   return jnp.sqrt(sum(jnp.sum(jnp.square(v.astype(jnp.float32))) for v in leaves))
 
 
+def _once_computed(flag, tree):
+  """`flag`, as a value XLA computes only after every leaf of `tree`.
+
+  (bits | 1) != 0 holds for any bits, so the flag is unchanged; XLA cannot prove that,
+  so the flag depends on one element of each leaf.
+  """
+  deps = [jax.lax.bitcast_convert_type(leaf.ravel()[0].astype(jnp.float32), jnp.uint32) | 1
+          for leaf in jax.tree_util.tree_leaves(tree) if leaf.size]
+  return flag & jnp.all(jnp.stack(deps) != 0) if deps else flag
+
+
 def _finite(x):
   return jnp.all(jnp.isfinite(x))
 
@@ -126,7 +137,8 @@ class TrainStep:
     new_params = optax.apply_updates(params, updates)
     ok = _finite(loss) & _finite(optax.tree.norm(grads))
     # a non-finite step keeps the old state (the select fuses into the update)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
+    keep = lambda flag, new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b),
+                                                         new, old)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": jnp.asarray(self.schedule(state["step"]), jnp.float32), "finite": ok}
     for d in self.diags:
@@ -140,8 +152,12 @@ class TrainStep:
       else:
         metrics["diag/" + d.name] = REDUCE[d.reduce](tapped[d.name])
     new_state = dict(state)
-    new_state["params"] = keep(new_params, params)
-    new_state["opt"] = keep(new_opt, opt)
+    new_state["params"] = keep(ok, new_params, params)
+    # The optimizer state's select waits for the new parameters. Left unordered, XLA
+    # copies every donated optimizer state buffer at the start of the step, since both
+    # the parameters' and the state's updates read the old moments: a second optimizer
+    # state's worth of memory, and its copying time.
+    new_state["opt"] = keep(_once_computed(ok, new_state["params"]), new_opt, opt)
     new_state["step"] = state["step"] + 1
     new_state["skipped"] = state["skipped"] + jnp.where(ok, 0, 1).astype(jnp.int32)
     # one f32 vector, so reading a step's numbers is a single transfer
