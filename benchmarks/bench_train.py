@@ -15,6 +15,9 @@ gradient norm and learning rate reach the host, and a step whose loss or
 gradient norm is not finite leaves the state as it was (`:on-nan`). The
 `jax-bare` and `torch-bare` legs are the same loops without that: the loss
 only, the update always applied.
+`jax-kept` is the `jax` loop with sexpgpu's host allocator setting
+(`sexpgpu.run.devices.keep_host_memory`): the same compiled step on the same
+allocator, so sexpgpu/jax-kept is sexpgpu's own overhead.
 
 Two per-step times are measured, the same way in every leg:
   step  the step call up to its numbers on the host (sexpgpu's `time/step`:
@@ -51,7 +54,7 @@ DEFAULT_STEPS = {"tiny": 1500, "compute": 10}
 # ~10% slower, the hand loop's ~4%), and 150 steps take a tenth of a second, too short
 # to outlast this machine's slow spells; so tiny legs warm up for 300 steps and time 1500.
 DEFAULT_WARMUP = {"tiny": 300, "compute": 3}
-LEGS = ("sexpgpu", "jax", "jax-bare", "torch", "torch-bare")
+LEGS = ("sexpgpu", "jax", "jax-kept", "jax-bare", "torch", "torch-bare")
 PRE = "lm/transformer-lm/"
 BLK = PRE + "repeat/block/"
 # sexpgpu parameter path -> short name used by the baselines (per-layer ones are stacked)
@@ -280,7 +283,10 @@ def run_leg(leg: str, shape_name: str, total: int, init_path: str, jax_scan: boo
     return {}
   if leg == "sexpgpu":
     out = leg_sexpgpu(shape, total)
-  elif leg in ("jax", "jax-bare"):
+  elif leg in ("jax", "jax-kept", "jax-bare"):
+    if leg == "jax-kept":  # before the backend's threads first allocate
+      from sexpgpu.run.devices import keep_host_memory
+      keep_host_memory()
     out = leg_jax(shape, total, init_path, unroll=not jax_scan, bare=leg == "jax-bare")
   else:
     out = leg_torch(shape, total, init_path, bare=leg == "torch-bare")
@@ -349,7 +355,8 @@ def report(res: dict) -> list[str]:
                  f"{x['rss_mib']:14.0f} {x['loss'][0]:9.5f} {x['loss'][2]:9.5f}")
   a = L["sexpgpu"]
   tt = 3.0 if res["shape"] == "tiny" else 1.0
-  for other, target in (("jax", 0.97), ("jax-bare", None), ("torch", tt), ("torch-bare", None)):
+  for other, target in (("jax", 0.97), ("jax-kept", None), ("jax-bare", None), ("torch", tt),
+                        ("torch-bare", None)):
     if other not in L:
       continue
     o = L[other]
