@@ -29,16 +29,22 @@ def moto():
     yield endpoint
 
 
-def _env(endpoint):
+def _env(endpoint, tmp=None):
   e = dict(os.environ)
   e.update(s3_env(endpoint))
   e["AWS_SECRET_ACCESS_KEY"] = SECRET
+  if tmp is not None:  # where the run stages its saves before uploading them
+    e["TMPDIR"] = str(tmp)
   return e
 
 
-def _run(args, endpoint, **kw):
-  return subprocess.run(sexpgpu_cmd("run", EXP, *args), cwd=ROOT, env=_env(endpoint),
+def _run(args, endpoint, tmp=None, **kw):
+  return subprocess.run(sexpgpu_cmd("run", EXP, *args), cwd=ROOT, env=_env(endpoint, tmp),
                         capture_output=True, text=True, timeout=600, **kw)
+
+
+def _staging(tmp):
+  return [p.name for p in tmp.iterdir() if p.name.startswith("sexpgpu-ckpt-staging-")]
 
 
 def _steps(path):
@@ -81,8 +87,9 @@ def test_sigterm_then_resume_latest_on_s3_is_exact(moto, tmp_path):
 
 
 def test_resume_from_an_s3_step_dir(moto, tmp_path):
-  r = _run(["--checkpoint-dir", "s3://runs/dir", "--steps", "10", "--json"], moto)
+  r = _run(["--checkpoint-dir", "s3://runs/dir", "--steps", "10", "--json"], moto, tmp_path)
   assert r.returncode == 0, r.stderr
+  assert _staging(tmp_path) == []  # the run removed its staging folder when it ended
   step_dir = json.loads(r.stdout)["checkpoint"]
   r2 = _run(["--resume", step_dir, "--json"], moto)
   assert r2.returncode == 0, r2.stderr
@@ -136,10 +143,12 @@ def test_kill_9_during_an_upload_then_resume_latest(moto, tmp_path):
   full = _run(args, moto)
   assert full.returncode == 0, full.stderr
   m = tmp_path / "m.jsonl"
+  staging = tmp_path / "tmp"
+  staging.mkdir()
   p = subprocess.Popen(sexpgpu_cmd("run", EXP, *args, "--checkpoint-dir", "s3://runs/killed",
                                    "--metrics", f"jsonl:{m}"),
-                       cwd=ROOT, env=_env(moto), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True)
+                       cwd=ROOT, env=_env(moto, staging), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   while time.time() < deadline and p.poll() is None:
     if m.exists() and any(e["kind"] == "checkpoint" for e in map(json.loads, open(m))):
@@ -148,8 +157,11 @@ def test_kill_9_during_an_upload_then_resume_latest(moto, tmp_path):
   time.sleep(0.3)  # the next save's upload is under way about now
   p.send_signal(signal.SIGKILL)
   p.communicate(timeout=60)
-  r = _run(args + ["--checkpoint-dir", "s3://runs/killed", "--resume", "latest"], moto)
+  left = _staging(staging)  # what the killed process staged is left behind
+  assert len(left) == 1 and left[0].startswith(f"sexpgpu-ckpt-staging-{p.pid}-"), left
+  r = _run(args + ["--checkpoint-dir", "s3://runs/killed", "--resume", "latest"], moto, staging)
   assert r.returncode == 0, r.stderr
+  assert _staging(staging) == []  # the next run removed it, and its own
   assert "resume latest=s3://runs/killed/" in r.stderr
   a, b = json.loads(full.stdout), json.loads(r.stdout)
   for key in ("train_loss", "counters", "stage"):

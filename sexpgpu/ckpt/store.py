@@ -17,6 +17,32 @@ from sexpgpu.ckpt.where import (LOCAL_DONE, is_remote, join, reason, remote_fs, 
 from sexpgpu.errors import SxError
 
 
+# A remote run stages each save in a local folder named for its process, then uploads it.
+STAGING_PREFIX = "sexpgpu-ckpt-staging-"
+
+
+def _remove_stale_staging() -> None:
+  """Removes the staging folders of processes that no longer run (killed mid-upload).
+
+  What a killed process staged was never a checkpoint: only the uploaded step is.
+  """
+  tmp = tempfile.gettempdir()
+  try:
+    names = os.listdir(tmp)
+  except OSError:
+    return
+  for name in names:
+    pid = name[len(STAGING_PREFIX):].split("-", 1)[0]
+    if not name.startswith(STAGING_PREFIX) or not pid.isdigit():
+      continue
+    try:
+      os.kill(int(pid), 0)
+    except ProcessLookupError:
+      shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    except OSError:  # alive, as another user
+      pass
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
   """One completed save: its step, step folder, total bytes and wall seconds."""
@@ -171,7 +197,8 @@ class CheckpointStore:
   def _get_manager(self):
     if self._manager is None:
       if self.remote:
-        self._staging = tempfile.mkdtemp(prefix="sexpgpu-ckpt-staging-")
+        _remove_stale_staging()
+        self._staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
         root, keep = os.path.join(self._staging, self.slug), None
       else:
         self.check_writable()  # a clean E-CKPT-004 before orbax tries

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -185,8 +186,16 @@ class Trainer:
                             self.rdv)
     sess = Session(c, o, device, self.metrics, self.status, self.status_base, store, self._log,
                    counter, self.rdv, self.nodes_cfg.gradients if self.nodes_cfg else "f32")
-    with _Signals() as sig:
-      summary = sess.train(resume_dir, sig, t0, open_s)
+    try:
+      with _Signals() as sig:
+        summary = sess.train(resume_dir, sig, t0, open_s)
+    except BaseException:
+      if store is not None:  # the error in flight is the one to report
+        with contextlib.suppress(Exception):
+          store.close()
+      raise
+    if store is not None:
+      store.close()  # orbax's threads, and a remote run's staging folder
     return summary
 
   def _resume_meta(self) -> dict | None:
