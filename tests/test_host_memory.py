@@ -1,10 +1,13 @@
 """The CPU backend's host allocator: each step's buffers reuse the last step's memory."""
 
 import json
+import os
 import subprocess
 import sys
 
+import sexpgpu
 from conftest import ROOT
+from sexpgpu.run.loop import big_steps
 
 # The gradient of an 8-layer MLP over 16,384 rows: XLA's runtime allocates its 72 MiB
 # temporary buffer on a worker thread at every call. Prints the minor page faults of a
@@ -44,3 +47,10 @@ def test_steps_reuse_host_memory_instead_of_faulting_in_new_pages():
   # 72 MiB in 4 KiB pages: 18,432 faults a call when every call maps fresh memory
   assert plain["faults"] > 9000, plain
   assert kept["faults"] < plain["faults"] / 20, (kept, plain)
+
+
+def test_runs_keep_host_memory_only_when_their_steps_are_big():
+  bench = os.path.join(ROOT, "benchmarks", "transformer.sx")
+  assert not big_steps(sexpgpu.compile(os.path.join(ROOT, "configs", "tiny-lm.sx"))._c)
+  assert not big_steps(sexpgpu.compile(bench)._c)  # 0.3 MiB of values a microbatch
+  assert big_steps(sexpgpu.compile(bench, variant="compute")._c)  # 101 MiB

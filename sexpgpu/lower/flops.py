@@ -1,4 +1,5 @@
-"""Model flops counted from the IR (matmuls, einsums, attention), for tokens/s and MFU.
+"""Model flops counted from the IR (matmuls, einsums, attention), for tokens/s and MFU,
+and the bytes of the values a forward pass computes.
 
 XLA's cost_analysis counts a scan body once, however many trips it makes, so the
 count here walks the IR instead and multiplies each repeat body by its size.
@@ -10,6 +11,7 @@ import math
 import re
 
 from sexpgpu.ir.graph import Graph, Node, walk
+from sexpgpu.ir.shapes import np_dtype
 
 
 def _einsum_flops(spec: str, shapes: list[tuple[int, ...]]) -> int:
@@ -55,6 +57,24 @@ def forward_flops(graph: Graph) -> int:
 def train_flops(graph: Graph, microbatches: int) -> int:
   """Flops of one optimizer step: forward and backward (3x forward) over every microbatch."""
   return 3 * forward_flops(graph) * microbatches
+
+
+def _value_bytes(roots: list[Node]) -> int:
+  total = 0
+  for node in walk(roots):
+    if node.op == "repeat":
+      total += node.attr("n") * _value_bytes([node.attr("body").output])
+    elif node.op not in ("input", "param", "carry"):
+      total += math.prod(node.shape) * np_dtype(node.dtype).itemsize
+  return total
+
+
+def forward_bytes(graph: Graph) -> int:
+  """Bytes of every value one forward evaluation computes on one microbatch.
+
+  An estimate of the step's activations, known before the device opens.
+  """
+  return _value_bytes(list(graph.outputs.values()))
 
 
 # bf16 dense peaks of common cards, flop/s (f32 runs use the TF32 tensor-core peak)

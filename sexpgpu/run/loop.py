@@ -83,6 +83,17 @@ class _Signals:
       signal.signal(s, h)
 
 
+def big_steps(c) -> bool:
+  """Whether a microbatch's forward values exceed what glibc reuses without help.
+
+  Above devices.MMAP_CEILING, a step's temporary buffer is mapped fresh every step
+  unless the run keeps its host memory (devices.keep_host_memory).
+  """
+  from sexpgpu.lower.flops import forward_bytes
+  from sexpgpu.run.devices import MMAP_CEILING
+  return max(forward_bytes(s.graph) for s in c.stages) > MMAP_CEILING
+
+
 def _evals_field(passes: dict, every_override) -> str:
   if not passes:
     return "-"
@@ -146,6 +157,9 @@ class Trainer:
     ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
     t_open = time.perf_counter()
     self.rdv = None
+    if o.device == "cpu" and big_steps(c):  # before anything starts the backend
+      from sexpgpu.run.devices import keep_host_memory
+      keep_host_memory()
     if o.device == "cuda":  # before anything starts the backend, on one node or several
       from sexpgpu.run.devices import autotune_of, deterministic, deterministic_flags
       deterministic_flags(autotune_of(self._resume_meta()) if deterministic() else None)
