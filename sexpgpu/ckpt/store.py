@@ -32,8 +32,10 @@ def _remove_stale_staging() -> None:
   except OSError:
     return
   for name in names:
+    if not name.startswith(STAGING_PREFIX):
+      continue
     pid = name[len(STAGING_PREFIX):].split("-", 1)[0]
-    if not name.startswith(STAGING_PREFIX) or not pid.isdigit():
+    if not pid.isdigit():  # not named for a process
       continue
     try:
       os.kill(int(pid), 0)
