@@ -60,6 +60,8 @@ def cpu_flags() -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 # glibc serves an allocation larger than this (its largest mmap threshold) with a fresh mmap
 MMAP_CEILING = 32 << 20
+# the largest trim threshold mallopt takes: a freed chunk above it goes back to the OS
+TRIM_CEILING = 2**31 - 1
 _kept = False
 
 
@@ -73,9 +75,11 @@ def keep_host_memory() -> bool:
   One arena, no mmap and no trimming keep that memory in the heap between steps, as
   PyTorch's and XLA's GPU allocators keep theirs. The one arena's lock costs the
   threads' small allocations: 0.55 -> 0.86 ms a step at the tiny shape, whose buffers
-  glibc reuses anyway; so a run asks for this only when its steps' values exceed the
-  ceiling (`run.loop`). It must run before the backend's threads first allocate (their
-  arena is chosen then); elsewhere than glibc it does nothing.
+  glibc reuses anyway. Above TRIM_CEILING a freed buffer goes back to the OS all the
+  same, and the heap only fragments. So a run asks for this only when its steps'
+  values lie between the two ceilings (`run.loop.wants_kept_host_memory`). It must
+  run before the backend's threads first allocate (their arena is chosen then);
+  elsewhere than glibc it does nothing.
   """
   global _kept
   if _kept:
@@ -89,7 +93,7 @@ def keep_host_memory() -> bool:
   if not hasattr(libc, "gnu_get_libc_version"):  # another C library than glibc
     return False
   _kept = all(libc.mallopt(option, value) == 1 for option, value in
-              ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+              ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, TRIM_CEILING)))
   return _kept
 
 

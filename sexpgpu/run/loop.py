@@ -83,15 +83,17 @@ class _Signals:
       signal.signal(s, h)
 
 
-def big_steps(c) -> bool:
-  """Whether a microbatch's forward values exceed what glibc reuses without help.
+def wants_kept_host_memory(c) -> bool:
+  """Whether keeping host memory between steps pays for this experiment on the CPU.
 
-  Above devices.MMAP_CEILING, a step's temporary buffer is mapped fresh every step
-  unless the run keeps its host memory (devices.keep_host_memory).
+  It does when a microbatch's forward values (an estimate of the step's temporary
+  buffer, counted from the IR) lie between glibc's mmap ceiling, below which glibc
+  reuses buffers without help, and its trim ceiling, above which it gives a freed
+  buffer back to the OS anyway (devices.keep_host_memory).
   """
   from sexpgpu.lower.flops import forward_bytes
-  from sexpgpu.run.devices import MMAP_CEILING
-  return max(forward_bytes(s.graph) for s in c.stages) > MMAP_CEILING
+  from sexpgpu.run.devices import MMAP_CEILING, TRIM_CEILING
+  return MMAP_CEILING < max(forward_bytes(s.graph) for s in c.stages) <= TRIM_CEILING
 
 
 def _evals_field(passes: dict, every_override) -> str:
@@ -157,7 +159,7 @@ class Trainer:
     ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
     t_open = time.perf_counter()
     self.rdv = None
-    if o.device == "cpu" and big_steps(c):  # before anything starts the backend
+    if o.device == "cpu" and wants_kept_host_memory(c):  # before anything starts the backend
       from sexpgpu.run.devices import keep_host_memory
       keep_host_memory()
     if o.device == "cuda":  # before anything starts the backend, on one node or several
