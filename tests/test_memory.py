@@ -212,6 +212,17 @@ def test_close_predictions_are_measured():
   assert choose_stacking(4, ALL, pred, None, None, None, can_measure=False)[1] == "model"
 
 
+def test_close_predictions_of_slow_steps_are_left_to_the_model():
+  # three close degrees at ~10 minutes a step (gpt2-small on a CPU): measuring each four
+  # times would take two hours, so the model decides and says why
+  pred = {4: 600.0, 2: 605.0, 1: 610.0}
+  d, how, text = choose_stacking(4, ALL, pred, None, None, None)
+  assert (d, how) == (4, "model")
+  assert "within 5% but measuring would take about 7260 s" in text
+  fast = {d: t / 10_000 for d, t in pred.items()}  # the same, at 60 ms a step
+  assert choose_stacking(4, ALL, fast, None, None, None)[1] == "measure"
+
+
 def test_remembered_choice():
   pred = {4: 0.1305, 2: 0.1315, 1: 0.1336}
   d, how, text = choose_stacking(4, ALL, pred, None, 2, None)

@@ -20,6 +20,10 @@ from sexpgpu.errors import SxError
 GiB = 1 << 30
 RESERVE = 1 << 30  # kept free for the libraries (cuBLAS, cuDNN workspaces)
 CLOSE = 0.05  # predictions within 5% are measured instead
+# A measurement runs each close degree MEASURE_RUNS times (the first compiles): when
+# that would take longer than MEASURE_BUDGET_S by the model, the model decides.
+MEASURE_RUNS = 4
+MEASURE_BUDGET_S = 60.0
 
 
 def human(n: float) -> str:
@@ -293,7 +297,9 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
     remembered: the degree choices.json holds for this graph and device, or None.
     fixed: SEXPGPU_STACKING's degree, or None for auto.
     can_measure: whether a measurement is possible (a second state copy fits, and
-      one node: several nodes would have to time their steps in lockstep).
+      one node: several nodes would have to time their steps in lockstep). Close
+      degrees whose measurement would outlast MEASURE_BUDGET_S are not measured
+      either: a slow step (a large model on the CPU) is left to the model.
     why_not: why it is not, for the report line.
 
   Returns:
@@ -328,6 +334,9 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
   best = min(preds, key=lambda d: (preds[d], -d))
   if len(close) < 2:
     return best, "model", f"{best}: the cost model ({listing})"
+  cost = MEASURE_RUNS * sum(preds[d] for d in close)
+  if can_measure and cost > MEASURE_BUDGET_S:
+    can_measure, why_not = False, f"measuring would take about {cost:.0f} s"
   if not can_measure:
     return best, "model", f"{best}: the cost model, within 5% but {why_not} ({listing})"
   if not measured or any(d not in measured for d in close):

@@ -146,7 +146,7 @@ def measure(choice: Choice, make_step, state, batches, per_rank: int, graph_fing
       copy = jax.tree_util.tree_map(jnp.copy, state)
       new, m = step(copy, batches)  # compiles if needed; the state copy is donated
       jax.block_until_ready(m)
-      for _ in range(3):  # the fastest of three: one step's time is noisy
+      for _ in range(mem.MEASURE_RUNS - 1):  # the fastest: one step's time is noisy
         copy = jax.tree_util.tree_map(jnp.copy, state)
         t = time.perf_counter()
         new, m = step(copy, batches)
