@@ -22,7 +22,8 @@ def _have_torch() -> bool:
 
 @pytest.mark.slow
 def test_bench_train_tiny_smoke(tmp_path):
-  legs = "sexpgpu,jax,jax-kept,jax-bare" + (",torch,torch-bare" if _have_torch() else "")  # CI: no torch
+  # CI has no torch
+  legs = "sexpgpu,jax,jax-kept,jax-bare" + (",torch,torch-bare" if _have_torch() else "")
   out = tmp_path / "bench.json"
   r = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--steps", "3", "--warmup", "1",
                       "--rounds", "1", "--legs", legs, "--json", str(out)],
