@@ -134,7 +134,7 @@ def _commands() -> dict:
   """The built-in commands plus those of the tool modules (sweep, bundle, watch, plot, doctor)."""
   import importlib
   out = dict(COMMANDS)
-  for mod in ("sexpgpu.cli.tools", "sexpgpu.cli.doctor"):
+  for mod in ("sexpgpu.cli.tools", "sexpgpu.cli.doctor", "sexpgpu.cli.text"):
     try:
       m = importlib.import_module(mod)
     except ModuleNotFoundError as e:

@@ -1,0 +1,75 @@
+"""The token cache `sexpgpu tokenize` writes and the `text` loader reads: its layout and manifest.
+
+A cache is a folder holding `manifest.json`, `tokenizer.json` and, for each
+source file, `shard-NNNNN.bin` (the documents' tokens end to end, each
+document followed by the end-of-document token; uint16 when the vocabulary
+fits, else uint32) and `shard-NNNNN.idx` (int64 document start offsets into
+the `.bin`, one more than documents). The manifest is the truth: a shard
+counts only when the manifest lists it and its files have the sizes it says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+FORMAT = "sexpgpu-token-cache/1"
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+
+
+def shard_name(index: int) -> str:
+  """The stem of the index-th shard: `shard-00000`."""
+  return f"shard-{index:05d}"
+
+
+def token_dtype(vocab: int) -> np.dtype:
+  """uint16 when every id fits in it, else uint32."""
+  return np.dtype(np.uint16) if vocab <= 1 << 16 else np.dtype(np.uint32)
+
+
+def dumps(manifest: dict[str, Any]) -> str:
+  """The manifest's text: stable (sorted keys), so equal caches have equal bytes."""
+  return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+def write_atomic(path: str, data: bytes) -> None:
+  """Writes a file under a temporary name in the same folder, then renames it into place."""
+  tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{os.getpid()}")
+  with open(tmp, "wb") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+def read_manifest(folder: str) -> dict[str, Any] | None:
+  """The manifest of a cache folder, or None when there is none or it does not parse."""
+  try:
+    with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    return None
+  return manifest
+
+
+def shard_sizes(entry: dict[str, Any], dtype: np.dtype) -> dict[str, int]:
+  """The byte sizes a whole shard's files have: {".bin": …, ".idx": …}."""
+  return {".bin": int(entry["tokens"]) * np.dtype(dtype).itemsize,
+          ".idx": (int(entry["documents"]) + 1) * 8}
+
+
+def shard_problem(folder: str, entry: dict[str, Any], dtype: np.dtype) -> str | None:
+  """Why a listed shard is not whole (a file missing or of another size), or None when it is."""
+  for ext, want in shard_sizes(entry, dtype).items():
+    path = os.path.join(folder, entry["shard"] + ext)
+    try:
+      have = os.path.getsize(path)
+    except OSError:
+      return f"{path}: missing"
+    if have != want:
+      return f"{path}: {have} bytes, the manifest says {want} (truncated or rewritten)"
+  return None
