@@ -8,7 +8,7 @@ from typing import Any
 from sexpgpu.errors import SxError
 from sexpgpu.ir.graph import Graph
 from sexpgpu.ir.printer import print_graph
-from sexpgpu.ir.values import Closure
+from sexpgpu.front.values import Closure
 
 
 @dataclasses.dataclass

@@ -1,19 +1,13 @@
 """Pallas kernels (interpreted on the CPU) and the ops that rewrites introduce, against plain jnp."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # third_party is a package at the repository root
-  sys.path.insert(0, ROOT)
-
-from sexpgpu.ir.ops import OPS, LowerCtx  # noqa: E402
-from third_party.kernels import chunked_xent, flash_attention  # noqa: E402
+from sexpgpu.ir.ops import OPS, LowerCtx
+from sexpgpu.lower.kernels import chunked_xent, flash_attention
+from sexpgpu.lower.rules import lowering
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -85,7 +79,7 @@ def test_chunked_cross_entropy_op_matches_the_unchunked_ops(chunks, masked):
     return OPS["cross-entropy"].lower(ctx, OPS["matmul"].lower(ctx, h, w), y, *extra)
 
   def chunked(h, w):
-    return OPS["chunked-cross-entropy"].lower(ctx, h, w, y, *extra, chunks=chunks)
+    return lowering("chunked-cross-entropy", "cpu")(ctx, h, w, y, *extra, chunks=chunks)
 
   v0, g0 = jax.value_and_grad(plain, argnums=(0, 1))(h, w)
   for wrap in (lambda f: f, jax.jit):
@@ -96,9 +90,9 @@ def test_chunked_cross_entropy_op_matches_the_unchunked_ops(chunks, masked):
 
 
 def test_sdpa_on_cpu_is_xla_and_says_so():
-  ctx = LowerCtx()
+  ctx = LowerCtx(platform="cpu")
   q, k, v = normal((1, 2, 8, 16), 0), normal((1, 2, 8, 16), 1), normal((1, 2, 8, 16), 2)
-  out = OPS["sdpa"].lower(ctx, q, k, v, causal=True, scale=0.25)
+  out = lowering("sdpa", "cpu")(ctx, q, k, v, causal=True, scale=0.25)
   ref = flash_attention.reference(q, k, v, causal=True, scale=0.25)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
   assert [(n["kind"], n["impl"], n["causal"]) for n in ctx.notes] == [("attention", "xla", True)]

@@ -1,4 +1,4 @@
-"""Lowering rules that differ by device: the CPU's matmul gradient."""
+"""Lowering rules that differ by device: the registry, the CPU's matmul gradient."""
 
 import re
 
@@ -6,14 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pytest
+
 from sexpgpu.ir.ops import OPS, LowerCtx
+from sexpgpu.lower.rules import lowering, register_lowering, registered
 
 
 def _loss(platform):
   ctx = LowerCtx("f32", platform=platform)
 
   def f(a, w):
-    return jnp.sum(jnp.tanh(OPS["matmul"].lower(ctx, a, w)))
+    return jnp.sum(jnp.tanh(lowering("matmul", platform)(ctx, a, w)))
   return f
 
 
@@ -48,5 +51,23 @@ def test_bf16_products_keep_the_plain_rule():
   ctx = LowerCtx("bf16", platform="cpu")
   a = jnp.ones((4, 8), jnp.float32)
   w = jnp.ones((8, 2), jnp.float32)
-  jaxpr = str(jax.make_jaxpr(jax.grad(lambda a: jnp.sum(OPS["matmul"].lower(ctx, a, w))))(a))
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda a: jnp.sum(lowering("matmul", "cpu")(ctx, a, w))))(a))
   assert "optimization_barrier" not in jaxpr and "bf16" in jaxpr
+
+
+def test_a_platform_rule_replaces_the_reference_only_there():
+  assert lowering("matmul", "cpu") is not OPS["matmul"].lower
+  assert lowering("matmul", "gpu") is OPS["matmul"].lower
+  assert lowering("matmul", None) is OPS["matmul"].lower
+  assert lowering("sdpa", "cuda") is lowering("sdpa", "gpu")  # a CUDA device's platform name
+  assert lowering("sdpa", "gpu") is not lowering("sdpa", "cpu")
+  assert lowering("relu", "gpu") is OPS["relu"].lower
+  assert lowering("chunked-cross-entropy", None) is not OPS["chunked-cross-entropy"].lower
+
+
+def test_every_registered_rule_lowers_an_op_of_the_table():
+  assert {op for op, _ in registered()} <= set(OPS)
+  with pytest.raises(ValueError, match="no op"):
+    register_lowering("no-such-op", lambda ctx, x: x)
+  with pytest.raises(ValueError, match="already"):
+    register_lowering("matmul", lambda ctx, a, b: a, platform="cpu")

@@ -1,1 +1,1 @@
-"""The graph IR: ops table, shape rules, the evaluator that builds graphs, printer."""
+"""The graph IR: ops table with reference rules, shape rules, verifier, printer, rewrites."""

@@ -1,7 +1,10 @@
-"""The IR's vocabulary: every primitive, registered once with its JAX lowering.
+"""The IR's vocabulary: every primitive, registered once with its reference rule.
 
-A primitive's shape rule is its lowering evaluated abstractly (see
-`ir.shapes`), so this table is the single definition of what an op does.
+A primitive's reference rule is plain JAX that says what the op computes; its
+shape rule is that rule evaluated abstractly (see `ir.shapes`), so this table
+is the single definition of what an op does. How an op is lowered on a given
+platform (a custom gradient, cuDNN, a Pallas kernel) is backend policy and
+lives in `sexpgpu.lower`, registered with `register_lowering`.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class OpDef:
   """One primitive: its name, how many tensor inputs, and its lowering."""
 
   name: str
-  lower: Callable[..., Any]
+  lower: Callable[..., Any]  # the reference rule `rule(ctx, *inputs, **attrs)`
   min_inputs: int
   max_inputs: int | None  # None: any number
   doc: str
@@ -62,7 +65,7 @@ OPS: dict[str, OpDef] = {}
 
 
 def register(name: str, min_inputs: int, max_inputs: int | None, doc: str):
-  """Registers a lowering rule `rule(ctx, *inputs, **attrs)` for op `name`."""
+  """Registers the reference rule `rule(ctx, *inputs, **attrs)` of op `name`."""
 
   def deco(fn):
     if name in OPS:
@@ -188,37 +191,8 @@ def _broadcast(ctx, x, *, shape):
 @register("matmul", 2, 2, "matrix product over the last axis of A and first of B")
 def _matmul(ctx, a, b):
   ct = ctx.compute_dtype(a)
-  if (ctx.platform == "cpu" and b.ndim == 2 and a.ndim >= 1 and ct == jnp.float32
-      and a.dtype == b.dtype == jnp.float32):
-    return _matmul_cpu(a, b)
   out = jnp.matmul(a.astype(ct), b.astype(ct), preferred_element_type=jnp.float32)
   return out.astype(jnp.result_type(a, b))
-
-
-# On the CPU, the gradient of A @ W with respect to A is G @ Wᵀ, which XLA hands to
-# YNNPACK as a product with a transposed operand: measured 1.5x slower per flop than
-# the plain product (benchmarks/, the compute shape). Materializing Wᵀ first (behind an
-# optimization barrier, so XLA does not fold the transpose back into the product) makes
-# it a plain product: 6% off a whole train step at the compute shape, 9% at the tiny one,
-# with bitwise the same losses there. GPUs take either layout at full speed: not used.
-@jax.custom_vjp
-def _matmul_cpu(a, w):
-  return jnp.matmul(a, w)
-
-
-def _matmul_cpu_fwd(a, w):
-  return jnp.matmul(a, w), (a, w)
-
-
-def _matmul_cpu_bwd(res, g):
-  a, w = res
-  da = jnp.matmul(g, jax.lax.optimization_barrier(w.T))
-  k, n = w.shape
-  dw = jnp.matmul(a.reshape(-1, k).T, g.reshape(-1, n))
-  return da, dw
-
-
-_matmul_cpu.defvjp(_matmul_cpu_fwd, _matmul_cpu_bwd)
 
 
 @register("einsum", 1, None, "Einstein summation")
@@ -269,10 +243,7 @@ def _cross_entropy(ctx, logits, targets, mask=None):
 
 @register("sdpa", 3, 3, "scaled dot-product attention, layout [batch, heads, seq, dim]")
 def _sdpa(ctx, q, k, v, *, causal, scale):
-  return _sdpa_choose(ctx, q, k, v, causal, scale)  # cuDNN, Pallas or XLA: see the end of the file
-
-
-def _sdpa_xla(ctx, q, k, v, *, causal, scale):
+  # the reference; `lower.attention` picks cuDNN or Pallas on a GPU
   ct = ctx.compute_dtype(q)
   s = jnp.einsum("...qd,...kd->...qk", q.astype(ct), k.astype(ct),
                  preferred_element_type=jnp.float32) * scale
@@ -311,172 +282,5 @@ def fan_in_std(shape: tuple[int, ...], scale: float) -> float:
 @register("chunked-cross-entropy", 3, 4,
           "cross-entropy of (matmul H W) over vocabulary chunks, never holding the full logits")
 def _chunked_cross_entropy(ctx, h, w, targets, mask=None, *, chunks):
-  weights = (jnp.ones(targets.shape, jnp.float32) if mask is None
-             else mask.astype(jnp.float32))
-  ct = jnp.dtype(ctx.compute_dtype(jax.ShapeDtypeStruct((), jnp.result_type(h, w))))
-  return _chunked_xent(h, w, targets, weights, int(chunks), ct)
-
-
-def _vocab_chunks(w, chunks: int):
-  """W [d, V] as [chunks, d, C], zero-padded to chunks * C columns."""
-  d, vocab = w.shape
-  size = -(-vocab // chunks)
-  w = jnp.pad(w, ((0, 0), (0, size * chunks - vocab)))
-  return jnp.transpose(w.reshape(d, chunks, size), (1, 0, 2)), size
-
-
-def _chunk_logits(h2, wc, j, size, vocab, ct, out_dtype):
-  """One chunk's f32 logits (as matmul then cross-entropy compute them), padding at -inf."""
-  z = jnp.matmul(h2.astype(ct), wc.astype(ct), preferred_element_type=jnp.float32)
-  z = z.astype(out_dtype).astype(jnp.float32)
-  col = j * size + jnp.arange(size)
-  return jnp.where(col[None, :] < vocab, z, -jnp.inf), col
-
-
-def _xent_fwd(h, w, targets, weights, chunks, ct):
-  d, vocab = w.shape
-  h2 = h.reshape(-1, d)
-  y = targets.reshape(-1).astype(jnp.int32)
-  wcs, size = _vocab_chunks(w, chunks)
-  out_dtype = jnp.result_type(h, w)
-
-  def step(carry, xs):
-    m, s, picked = carry
-    wc, j = xs
-    z, col = _chunk_logits(h2, wc, j, size, vocab, ct, out_dtype)
-    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
-    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=-1)
-    picked = picked + jnp.sum(jnp.where(col[None, :] == y[:, None], z, 0.0), axis=-1)
-    return (m_new, s, picked), None
-
-  n = h2.shape[0]
-  init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
-          jnp.zeros((n,), jnp.float32))
-  (m, s, picked), _ = jax.lax.scan(step, init, (wcs, jnp.arange(chunks)))
-  lse = m + jnp.log(s)
-  wts = weights.reshape(-1)
-  loss = jnp.sum((lse - picked) * wts) / jnp.maximum(jnp.sum(wts), 1.0)
-  return loss, (h, w, targets, weights, lse)  # residuals: per-row lse, never the logits
-
-
-def _xent_bwd(chunks, ct, res, g):
-  h, w, targets, weights, lse = res
-  d, vocab = w.shape
-  h2 = h.reshape(-1, d)
-  y = targets.reshape(-1).astype(jnp.int32)
-  wcs, size = _vocab_chunks(w, chunks)
-  out_dtype = jnp.result_type(h, w)
-  wts = weights.reshape(-1)
-  dnll = g * wts / jnp.maximum(jnp.sum(wts), 1.0)
-
-  def step(dh, xs):
-    wc, j = xs
-    z, col = _chunk_logits(h2, wc, j, size, vocab, ct, out_dtype)
-    dz = (jnp.exp(z - lse[:, None]) - (col[None, :] == y[:, None])) * dnll[:, None]
-    dz = dz.astype(ct)
-    dh = dh + jnp.matmul(dz, wc.astype(ct).T, preferred_element_type=jnp.float32)
-    return dh, jnp.matmul(h2.astype(ct).T, dz, preferred_element_type=jnp.float32)
-
-  dh, dws = jax.lax.scan(step, jnp.zeros(h2.shape, jnp.float32), (wcs, jnp.arange(chunks)))
-  dw = jnp.transpose(dws, (1, 0, 2)).reshape(d, chunks * size)[:, :vocab]
-  return dh.reshape(h.shape).astype(h.dtype), dw.astype(w.dtype), None, None
-
-
-def _xent(h, w, targets, weights, chunks, ct):
-  return _xent_fwd(h, w, targets, weights, chunks, ct)[0]
-
-
-_chunked_xent = jax.custom_vjp(_xent, nondiff_argnums=(4, 5))
-_chunked_xent.defvjp(_xent_fwd, _xent_bwd)
-
-
-# --- sdpa: which implementation ----------------------------------------------------
-_PROBES: dict[tuple, str | None] = {}
-
-
-def _platform() -> str:
-  """The default backend, or "none" while no backend is started (building the IR)."""
-  from jax._src import xla_bridge  # only to ask without starting a backend
-  return jax.default_backend() if xla_bridge.backends_are_initialized() else "none"
-
-
-def _sdpa_choose(ctx, q, k, v, causal, scale):
-  """sdpa lowered by cuDNN, else the Pallas flash kernel, else XLA; the choice goes to ctx.notes."""
-  ct = ctx.compute_dtype(q)
-  note = {"kind": "attention", "impl": "xla", "dtype": jnp.dtype(ct).name, "causal": causal,
-          "shape": tuple(q.shape), "why": ""}
-  platform = _platform()
-  if platform in ("gpu", "cuda"):
-    why = _cudnn_refusal(q.shape, k.shape, v.shape, ct, causal, scale)
-    if why is None:
-      note["impl"] = "cudnn"
-      ctx.notes.append(note)
-      t = lambda x: jnp.transpose(x.astype(ct), (0, 2, 1, 3))  # [b, h, t, d] <-> [b, t, h, d]
-      out = jax.nn.dot_product_attention(t(q), t(k), t(v), scale=scale, is_causal=causal,
-                                         implementation="cudnn")
-      return t(out).astype(q.dtype)
-    flash, pallas_why = _pallas_flash(q.shape, k.shape, v.shape, ct, causal, scale)
-    note["why"] = f"cuDNN: {why}" + ("" if flash else f"; Pallas: {pallas_why}")
-    if flash is not None:
-      note["impl"] = "pallas"
-      ctx.notes.append(note)
-      return flash(q.astype(ct), k.astype(ct), v.astype(ct)).astype(q.dtype)
-  elif platform != "none":
-    note["why"] = f"on {platform}"
-  if platform != "none":
-    ctx.notes.append(note)
-  return _sdpa_xla(ctx, q, k, v, causal=causal, scale=scale)
-
-
-def _first_line(e: Exception) -> str:
-  return (f"{type(e).__name__}: " + (str(e).strip().split("\n") or [""])[0])[:200]
-
-
-def _cudnn_refusal(qs, ks, vs, ct, causal, scale) -> str | None:
-  """Why cuDNN will not take this attention (None: it will), probed by a tiny compile, cached."""
-  key = ("cudnn", tuple(qs), tuple(ks), tuple(vs), jnp.dtype(ct).name, causal, scale)
-  if key not in _PROBES:
-    _PROBES[key] = _probe_cudnn(qs, ks, vs, ct, causal, scale)
-  return _PROBES[key]
-
-
-def _probe_cudnn(qs, ks, vs, ct, causal, scale) -> str | None:
-  if jnp.dtype(ct) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"it takes bf16 or f16, not {jnp.dtype(ct).name}"
-  if causal and qs[2] != ks[2]:
-    return "causal attention with different query and key lengths"
-  t = lambda s: jax.ShapeDtypeStruct((s[0], s[2], s[1], s[3]), ct)
-
-  def loss(q, k, v):
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
-                                       implementation="cudnn")
-    return jnp.sum(out.astype(jnp.float32))
-
-  try:
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(t(qs), t(ks), t(vs)).compile()
-  except Exception as e:  # RuntimeError (no cuDNN), ValueError/NotImplementedError, XLA errors
-    return _first_line(e)
-  return None
-
-
-def _pallas_flash(qs, ks, vs, ct, causal, scale):
-  """(the Pallas flash attention for this configuration, None) or (None, why not)."""
-  key = ("pallas", tuple(qs), tuple(ks), tuple(vs), jnp.dtype(ct).name, causal, scale)
-  try:
-    from third_party.kernels import flash_attention as fa
-  except ImportError as e:
-    return None, _first_line(e)
-  why = fa.refusal(qs, ks, vs, causal)
-  if why is None:
-    if key not in _PROBES:
-      try:
-        sds = [jax.ShapeDtypeStruct(s, ct) for s in (qs, ks, vs)]
-        jax.jit(lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, scale=scale)
-                ).lower(*sds).compile()
-        _PROBES[key] = None
-      except Exception as e:  # a Triton refusal shows only when it compiles
-        _PROBES[key] = _first_line(e)
-    why = _PROBES[key]
-  if why is not None:
-    return None, why
-  return (lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, scale=scale)), None
+  # the reference holds the full logits; `lower.xent` is the chunked lowering
+  return _cross_entropy(ctx, _matmul(ctx, h, w), targets, mask)

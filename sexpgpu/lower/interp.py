@@ -9,7 +9,8 @@ from typing import Any
 import jax
 
 from sexpgpu.ir.graph import Graph, Node, walk
-from sexpgpu.ir.ops import OPS, LowerCtx
+from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.lower.rules import lowering
 
 
 UNROLL_MAX = 4
@@ -22,7 +23,7 @@ def run_graph(graph: Graph, params: dict[str, Any], inputs: dict[str, Any], ctx:
   Args:
     params: parameter path → array (stacked for those inside repeats).
     inputs: batch field → array.
-    ctx: precision, rng and training flag.
+    ctx: precision, rng, training flag and the platform whose lowering rules apply.
     taps: when given, filled with tap name → values recorded in this call.
   """
   env: dict[int, Any] = {}
@@ -45,7 +46,7 @@ def _eval(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: LowerCt
     else:
       args = [env[i.uid] if isinstance(i, Node) else i for i in node.inputs]
       attrs = {k: v for k, v in node.attrs}
-      value = OPS[op].lower(ctx, *args, **attrs)
+      value = lowering(op, ctx.platform)(ctx, *args, **attrs)
       if op == "tap" and taps is not None:
         taps.setdefault(attrs["name"], []).append(value)
       env[node.uid] = value

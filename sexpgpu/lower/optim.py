@@ -9,7 +9,7 @@ import optax
 
 from sexpgpu.errors import SxError
 from sexpgpu.ir.graph import Init
-from sexpgpu.ir.values import Spec
+from sexpgpu.front.values import Spec
 
 
 def schedule(value: Any, steps: int, where) -> Callable[[Any], Any] | float:

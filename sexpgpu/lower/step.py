@@ -345,13 +345,15 @@ class TrainStep:
 class PassStep:
   """All of a pass's metrics for one batch, in one jitted call (no dropout)."""
 
-  def __init__(self, graphs: dict[str, Graph], precision: str):
+  def __init__(self, graphs: dict[str, Graph], precision: str, platform: str | None = None):
     self.graphs = graphs
     self.precision = precision
+    self.platform = platform  # None: the default backend's, asked when the pass is traced
     self._fn = jax.jit(self._metrics)
 
   def _metrics(self, params, batch):
-    ctx = LowerCtx(self.precision, None, False)
+    # traced with the parameters on their device, so the default backend is started
+    ctx = LowerCtx(self.precision, None, False, platform=self.platform or jax.default_backend())
     return {name: run_graph(g, params, batch, ctx)["out"].astype(jnp.float32)
             for name, g in self.graphs.items()}
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from sexpgpu.data import LoaderSpec, make_loader
 from sexpgpu.errors import SxError, did_you_mean
-from sexpgpu.ir.experiment import Experiment, LoaderDecl, evaluate
+from sexpgpu.front.experiment import Experiment, LoaderDecl, evaluate
 from sexpgpu.ir.graph import Graph, Param
 from sexpgpu.ir.ops import dtype_name
 from sexpgpu.ir.printer import fingerprint, print_graph
@@ -160,7 +160,7 @@ def _select_diagnostics(exp: Experiment, diagnostics: str | None) -> list[str]:
 
 
 def _check_scalar(out: Any, what: str, loc, builder) -> None:
-  from sexpgpu.ir.build import describe, is_tensor
+  from sexpgpu.front.build import describe, is_tensor
   if not is_tensor(out) or out.shape != () or out.dtype not in ("f32", "bf16", "f16"):
     raise SxError("E-RUN-002", f"the {what} must return a float scalar; it returned "
                   f"{describe(out)}", location=loc,

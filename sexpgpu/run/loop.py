@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from sexpgpu.errors import SxError
-from sexpgpu.ir.values import Env
+from sexpgpu.front.values import Env
 from sexpgpu.lang.select import format_value
 from sexpgpu.run import output
 from sexpgpu.run.compile import Compiled, cache_dir

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sexpgpu.errors import SxError
-from sexpgpu.ir.build import Builder
-from sexpgpu.ir.values import Env
+from sexpgpu.front.build import Builder
+from sexpgpu.front.values import Env
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT, format_value
 from sexpgpu.lower.init import init_params
 from sexpgpu.lower.optim import make_optimizer

@@ -7,10 +7,10 @@ import operator
 from typing import Any, Callable
 
 from sexpgpu.errors import SxError
-from sexpgpu.ir.build import Builder, Call, describe, is_number, is_tensor, static_shape
+from sexpgpu.front.build import Builder, Call, describe, is_number, is_tensor, static_shape
 from sexpgpu.ir.graph import Init
 from sexpgpu.ir.ops import DTYPES
-from sexpgpu.ir.values import Builtin, Spec
+from sexpgpu.front.values import Builtin, Spec
 from sexpgpu.reader import Symbol
 
 BUILTINS: dict[str, Builtin] = {}

@@ -8,7 +8,7 @@ from typing import Any
 from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.ir.graph import Body, Graph, Init, Node, Param, type_str
 from sexpgpu.ir.shapes import ShapeRuleError, infer, literal_type
-from sexpgpu.ir.values import Batch, Builtin, Closure, Env, ParamRef, Spec
+from sexpgpu.front.values import Batch, Builtin, Closure, Env, ParamRef, Spec
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
 
 SPECIAL_FORMS = ("let", "if", "fn", "repeat", "param", "tap", "get", "or", "and", "not", "do")

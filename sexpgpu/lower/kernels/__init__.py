@@ -1,5 +1,5 @@
 """Pallas kernels: flash attention and a chunked cross-entropy (forward passes).
 
 Each runs on the CPU with `interpret=True` (the tests do) and compiles through
-Triton on a GPU. The IR's lowering imports them lazily and only on `cuda`.
+Triton on a GPU. `lower.attention` imports flash attention lazily, on a GPU only.
 """

@@ -6,9 +6,9 @@ import dataclasses
 from typing import Any
 
 from sexpgpu.errors import Loc, SxError, did_you_mean
-from sexpgpu.ir.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
-from sexpgpu.ir.prims import BUILTINS, DTYPE_VALUES
-from sexpgpu.ir.values import Closure, Env, ParamRef, Spec
+from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
+from sexpgpu.front.prims import BUILTINS, DTYPE_VALUES
+from sexpgpu.front.values import Closure, Env, ParamRef, Spec
 from sexpgpu.lang.program import Program, literal_value, split_keywords
 from sexpgpu.lang.select import RUN_KNOBS, Selection
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector

@@ -1,1 +1,0 @@
-"""Code kept apart from sexpgpu proper: hand-written kernels the lowering may choose."""
