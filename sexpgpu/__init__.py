@@ -1,6 +1,14 @@
 """sexpgpu: an experiment compiler. One `.sx` file in, a training run on XLA out."""
 
-from sexpgpu.api import Experiment, State, compile, compile_text
 from sexpgpu.errors import Loc, SxError
 
 __all__ = ["Experiment", "Loc", "State", "SxError", "compile", "compile_text"]
+
+
+def __getattr__(name: str):
+  # The API is imported on first use, so the CLI's entry point (which imports this
+  # package first) installs its signal handlers before anything slow is loaded.
+  if name in ("Experiment", "State", "compile", "compile_text"):
+    from sexpgpu import api
+    return getattr(api, name)
+  raise AttributeError(f"module 'sexpgpu' has no attribute {name!r}")

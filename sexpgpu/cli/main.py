@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
+# The stop signals are caught before anything slow is imported: a signal during start-up
+# stops the run cleanly (status `stopped`, exit 128 + n), never by the default handler.
+from sexpgpu.run import signals as _signals
+
+_signals.install()
+
+import os  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import flags  # noqa: E402
 
+from sexpgpu.cli import help as _help  # noqa: E402
 from sexpgpu.errors import SxError  # noqa: E402
-
-USAGE = """usage: sexpgpu COMMAND [FLAGS] FILE
-
-commands:
-  run FILE      compile and train an experiment in this process
-  check FILE    compile without training; print knobs, parameters, loaders or IR
-"""
+from sexpgpu.run import output  # noqa: E402
 
 
 def _selection_flags(fv: flags.FlagValues) -> None:
@@ -56,13 +57,24 @@ def _check_flags() -> flags.FlagValues:
 
 
 def _parse(fv: flags.FlagValues, argv: list[str], command: str) -> list[str]:
+  """Parses a command's flags; `-h`/`--help` prints the command's help instead.
+
+  Raises:
+    _help.Help: the help was asked for (the CLI prints it and exits 0).
+    SxError: E-FORM-001 for a flag that does not parse.
+  """
+  if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
+    raise _help.Help(_help.command_help(command, fv, _commands().get(command)))
   # absl spells multi-word flags with underscores; accept the seed's dashes too.
   norm = []
   for a in argv:
+    if a == "--":
+      break
     if a.startswith("--") and "-" in a[2:].split("=")[0]:
       name, eq, val = a[2:].partition("=")
       a = "--" + name.replace("-", "_") + eq + val
     norm.append(a)
+  norm += argv[len(norm):]
   try:
     return fv([f"sexpgpu {command}"] + norm)[1:]
   except flags.Error as e:
@@ -88,13 +100,45 @@ def _one_file(rest: list[str], command: str) -> str:
   return rest[0]
 
 
+def compile_guarded(path: str, variant, sets, overrides, diagnostics, build):
+  """Runs `build()` (a compile of `path`), turning what the build raises into SxErrors.
+
+  A Python error in the evaluator (a recursion too deep, a static division by zero)
+  becomes an SxError at the form being evaluated; an error inside the standard library
+  is placed at the user's knob that carried the value (sexpgpu.lang.blame).
+  """
+  from sexpgpu.lang import blame
+  from sexpgpu.reader.read import deep_recursion
+  try:
+    with deep_recursion():
+      return build()
+  except (RecursionError, ArithmeticError) as e:
+    err = blame.build_failure(e)
+  except SxError as e:
+    err = e
+  try:
+    from sexpgpu.lang.program import load_program
+    from sexpgpu.lang.select import select
+    program = load_program(path)
+    selection = select(program, variant, list(sets), overrides,
+                       os.environ.get("SEXPGPU_RUN_SLUG") or None)
+    blamed = blame.blame(err, program, selection)
+  except SxError:
+    blamed = err  # the file itself does not load: the original error says why
+  if blamed is err:
+    raise err
+  raise blamed from None
+
+
 def cmd_run(argv: list[str]) -> int:
-  from sexpgpu.run.env import run_options
-  from sexpgpu.run.compile import compile_file
-  from sexpgpu.run.loop import run_compiled
+  """compile and train an experiment in this process"""
   fv = _run_flags()
   rest = _parse(fv, argv, "run")
   given = _one_file(rest, "run")
+  _STARTUP["status"] = fv.status if fv.status is not None else os.environ.get("SEXPGPU_STATUS")
+  from sexpgpu.run.env import run_options
+  from sexpgpu.run.compile import compile_file
+  from sexpgpu.run.loop import run_compiled
   path, variant, sets = given, fv.variant, _sets(fv.set)
   if given.endswith(".sxb"):
     from sexpgpu.tools.bundle import open_bundle
@@ -105,25 +149,41 @@ def cmd_run(argv: list[str]) -> int:
                     fix="drop --variant; a bundle runs its own selection")
     variant, sets = bundled_variant, bundled_sets + sets  # a --set given here wins
   opts = run_options(given, fv)
+  _STARTUP["status"] = opts.status
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
-  compiled = compile_file(path, variant, sets, overrides, fv.diagnostics)
+  try:
+    compiled = compile_guarded(path, variant, sets, overrides, fv.diagnostics,
+                               lambda: compile_file(path, variant, sets, overrides,
+                                                    fv.diagnostics))
+  except SxError as e:
+    if e.code == "E-LOAD-001" and given.endswith(".sxb"):
+      from sexpgpu.tools.bundle import missing_data_hint
+      hint = missing_data_hint(given)
+      if hint:
+        e.fix = hint
+        e.args = (e.render(),)
+    raise
   summary = run_compiled(compiled, opts)
+  _signals.FLAG.raising = False  # the run has ended: a late signal does not undo it
   if fv.json:
     import json
-    sys.stdout.write(json.dumps(summary.as_dict()) + "\n")
-    sys.stdout.flush()
+    output.write(sys.stdout, json.dumps(summary.as_dict(), separators=(",", ":")) + "\n")
   return summary.exit_code
 
 
 def cmd_check(argv: list[str]) -> int:
-  from sexpgpu.run.check import check
+  """compile without training; print knobs, parameters, loaders, IR or the plan"""
   fv = _check_flags()
   rest = _parse(fv, argv, "check")
   path = _one_file(rest, "check")
+  from sexpgpu.run.check import check
   device = fv.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
-  sys.stdout.write(check(path, fv.variant, _sets(fv.set), fv.diagnostics, fv.print, device,
-                         overrides))
+  sets = _sets(fv.set)
+  text = compile_guarded(path, fv.variant, sets, overrides, fv.diagnostics,
+                         lambda: check(path, fv.variant, sets, fv.diagnostics, fv.print, device,
+                                       overrides))
+  output.write(sys.stdout, text)
   return 0
 
 
@@ -145,11 +205,48 @@ def _commands() -> dict:
   return out
 
 
+# What start-up knows so far, for a signal that stops it: the status file to mark.
+_STARTUP: dict = {"status": None}
+
+
 def main(argv: list[str] | None = None) -> int:
-  """Entry point of the `sexpgpu` console script."""
+  """Entry point of the `sexpgpu` console script.
+
+  Args:
+    argv: the arguments after the program name (default: sys.argv[1:]); given, the
+      process is not ended from here (tests call main in-process).
+
+  Returns:
+    The exit status: 0, 1 for an error, 128 + n after a stop signal.
+  """
+  console = argv is None
   argv = list(sys.argv[1:] if argv is None else argv)
-  if not argv or argv[0] in ("-h", "--help", "help"):
-    sys.stdout.write(USAGE)
+  mine = _signals.FLAG.install(raising=True)  # in-process callers: installed here, restored below
+  _signals.FLAG.raising = True
+  _STARTUP["status"] = None
+  stopped = False
+  try:
+    code = _main(argv)
+  except _signals.Stopped as e:
+    code, stopped = _stopped(e), True
+  finally:
+    _signals.FLAG.raising = False
+    if mine and not console:
+      _signals.FLAG.restore()
+  if console and stopped:
+    # Leave without running the exit handlers of libraries the signal may have
+    # interrupted while they loaded; our own output is flushed first.
+    output.write(sys.stdout, "")
+    output.write(sys.stderr, "")
+    os._exit(code)
+  return code
+
+
+def _main(argv: list[str]) -> int:
+  if not argv or argv[0] in ("-h", "--help", "-help", "help"):
+    if len(argv) >= 2 and argv[0] == "help":
+      return _main([argv[1], "--help"])
+    output.write(sys.stdout if argv else sys.stderr, _help.program_help(_commands()))
     return 0 if argv else 1
   command = argv[0]
   commands = _commands()
@@ -162,15 +259,45 @@ def main(argv: list[str] | None = None) -> int:
     # collected (an S3 connection closed under it, say) is not the user's concern.
     sys.unraisablehook = lambda unraisable: None
   try:
-    code = commands[command](argv[1:])
+    return commands[command](argv[1:])
+  except _help.Help as h:
+    output.write(sys.stdout, h.text)
+    return 0
   except SxError as e:
-    sys.stderr.write(e.render() + "\n")
+    output.write(sys.stderr, e.render() + "\n")
     if os.environ.get("SEXPGPU_DEBUG") == "1":
       traceback.print_exc()
     return 1
   except KeyboardInterrupt:
     return 130
-  return code
+
+
+def _stopped(e: _signals.Stopped) -> int:
+  """A stop signal during start-up: the status file (when there is one) says `stopped`."""
+  import json
+  path = _STARTUP.get("status")
+  if path:
+    import time
+    status = {}
+    try:
+      with open(path, encoding="utf-8") as f:
+        status = json.load(f)
+    except (OSError, ValueError):
+      pass
+    if not isinstance(status, dict) or status.get("pid") not in (None, os.getpid()):
+      status = {}  # another process's file: ours replaces it
+    now = time.time()
+    status.update(pid=os.getpid(), state="stopped", stopped_by=_signals.SIGNALS.get(e.signum),
+                  updated_at=now, error=None)
+    status.setdefault("started_at", now)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+      with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(status, f)
+      os.replace(tmp, path)
+    except OSError:
+      pass
+  return e.exit_code
 
 
 if __name__ == "__main__":

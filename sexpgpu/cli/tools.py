@@ -23,6 +23,9 @@ def _sweep_flags() -> flags.FlagValues:
                       flag_values=fv)
   flags.DEFINE_string("status_dir", "sweep", "folder of the points' status files and logs",
                       flag_values=fv)
+  flags.DEFINE_string("status", None, "as --status-dir: the folder of the points' status "
+                      "files, each <slug>.status.json (run's --status, one per point)",
+                      flag_values=fv)
   flags.DEFINE_integer("parallel", 1, "points run at once", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("table", None, "also write the table as CSV here", flag_values=fv)
   flags.DEFINE_string("emit", None, "skypilot: write one task file per point into the folder "
@@ -54,7 +57,8 @@ def cmd_sweep(argv: list[str]) -> int:
   opts = sweep.SweepOptions(
       file=rest[0], grid=sweep.parse_grid(fv.set), variant=fv.variant, steps=fv.steps,
       eval_every=fv.eval_every, diagnostics=fv.diagnostics, device=fv.device,
-      metrics=fv.metrics, checkpoint_dir=fv.checkpoint_dir, status_dir=fv.status_dir,
+      metrics=fv.metrics, checkpoint_dir=fv.checkpoint_dir,
+      status_dir=fv.status if fv.status is not None else fv.status_dir,
       parallel=fv.parallel, table=fv.table)
   if emit_dir is not None:
     for path in sweep.emit_skypilot(opts, emit_dir, fv.accelerators):
@@ -95,11 +99,13 @@ def cmd_watch(argv: list[str]) -> int:
   fv = flags.FlagValues()
   flags.DEFINE_float("interval", 0.5, "seconds between reads of the status file", flag_values=fv)
   flags.DEFINE_float("timeout", None, "give up after this many seconds (exit 3)", flag_values=fv)
+  flags.DEFINE_float("wait", 30.0, "seconds to wait for the status file to appear",
+                     flag_values=fv)
   rest = _parse(fv, argv, "watch")
   if len(rest) != 1:
     raise SxError("E-FORM-001", "sexpgpu watch takes one status file", where="the command line",
                   fix="sexpgpu watch run.status.json")
-  return watch(rest[0], fv.interval, timeout=fv.timeout)
+  return watch(rest[0], fv.interval, timeout=fv.timeout, appear=fv.wait)
 
 
 def cmd_plot(argv: list[str]) -> int:

@@ -19,6 +19,12 @@ _TOKEN_DTYPES = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32,
                  "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 _CASTS = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int32),
           np.dtype(np.float64): np.dtype(np.float32)}
+# The dtypes an `.npz` field may have, each as the IR's dtype it becomes.
+_NPZ_DTYPES = {np.dtype(t): _CASTS.get(np.dtype(t), np.dtype(u)) for t, u in [
+    (np.bool_, np.bool_), (np.int8, np.int32), (np.int16, np.int32), (np.int32, np.int32),
+    (np.int64, np.int32), (np.uint8, np.int32), (np.uint16, np.int32), (np.uint32, np.uint32),
+    (np.uint64, np.int32), (np.float16, np.float16), (np.float32, np.float32),
+    (np.float64, np.float32)]}
 
 
 class RecordOrder:
@@ -213,7 +219,12 @@ class ArraysLoader(base.Loader):
                        f"{self.records} records (rows of the split) is fewer than one"
                        f" microbatch of {self.batch_size}",
                        "use more rows or a wider split, or a smaller :batch")
-    self.fields = {n: ((self.batch_size,) + s[1:], _CASTS.get(d, d))
+    for n, (_, d) in headers.items():
+      if d not in _NPZ_DTYPES:
+        raise load_error("E-LOAD-001", spec, self.uri, f"array `{n}` holds {d.name} values, "
+                         "which no tensor holds", "store bool, integer or float arrays "
+                         "(they become bool, i32, u32, f16 or f32)")
+    self.fields = {n: ((self.batch_size,) + s[1:], _NPZ_DTYPES[d])
                    for n, (s, d) in headers.items()}
     self.order = RecordOrder(self.records, shuffle, ctx.seed, stream)
     self._arrays: dict[str, np.ndarray] | None = None

@@ -7,7 +7,8 @@ import os
 from typing import Any
 
 from sexpgpu.errors import Loc, SxError
-from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector, read_file, read_text
+from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector, read_text
+from sexpgpu.reader.read import read_source
 from sexpgpu.reader.forms import head_symbol
 
 STD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "std")
@@ -64,6 +65,9 @@ def load_program(path: str) -> Program:
   Raises:
     SxError: read errors, E-REQ-001/002, E-FORM-001, E-NAME-002, E-RUN-001.
   """
+  if os.path.isdir(path):
+    raise SxError("E-REQ-001", f"`{path}` is a directory, not an experiment file", where=path,
+                  fix="give the path of a .sx file (or a .sxb bundle)")
   if not os.path.isfile(path):
     raise SxError("E-REQ-001", f"experiment file `{path}` not found", where=path,
                   fix="check the path; it is relative to the current directory")
@@ -90,9 +94,9 @@ class _Loader:
     self.files: dict[str, str] = {}
 
   def load(self, abspath: str, display: str, stack: tuple) -> list[Form]:
-    forms = read_file(abspath, display)
-    with open(abspath, encoding="utf-8") as f:
-      self.sources[display] = f.read()
+    text = read_source(abspath, display)
+    forms = read_text(text, display)
+    self.sources[display] = text
     self.files[display] = abspath
     return self.load_forms(forms, abspath, display, stack)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.lang.program import KnobDecl, Program, literal_value, split_keywords
 from sexpgpu.reader import Atom, Keyword, Symbol
+from sexpgpu.reader.read import INT_LIMIT
 
 # The run's own settings: knobs that always exist, with these defaults unless
 # defrun writes a literal. None means required.
@@ -18,7 +20,7 @@ RUN_KNOBS: dict[str, Any] = {
     "checkpoint-every": 0, "keep": 3, "on-nan": Symbol("stop"),
 }
 RUN_CHOICES = {"precision": ("f32", "bf16"), "on-nan": ("stop", "skip")}
-RUN_MIN = {"steps": 0, "microbatches": 1, "checkpoint-every": 0, "keep": 1}
+RUN_MIN = {"steps": 0, "microbatches": 1, "checkpoint-every": 0, "keep": 1, "seed": 0}
 # Knobs outside the experiment's identity: a longer resume is the same run.
 NOT_IN_FINGERPRINT = ("steps", "eval-every", "checkpoint-every", "keep")
 
@@ -71,14 +73,22 @@ def parse_as(text: str, like: Any, name: str, where: str) -> Any:
     raise bad()
   if isinstance(like, int):
     try:
-      return int(text.replace("_", ""))
+      value = int(text.replace("_", ""))
     except ValueError:
       raise bad() from None
+    if not -INT_LIMIT <= value < INT_LIMIT:
+      raise SxError("E-KNOB-002", f"`{text}` does not fit in a 64-bit integer (knob {name})",
+                    where=where, fix=f"give {name} a value below {INT_LIMIT} in size")
+    return value
   if isinstance(like, float):
     try:
-      return float(text.replace("_", ""))
+      value = float(text.replace("_", ""))
     except ValueError:
       raise bad() from None
+    if not math.isfinite(value):
+      raise SxError("E-KNOB-002", f"`{text}` is not a finite number (knob {name})", where=where,
+                    fix=f"give {name} a finite value, like {format_value(like)}")
+    return value
   if isinstance(like, Symbol):
     if re.fullmatch(r"[A-Za-z_+*/<>=!?.%-][A-Za-z0-9_+*/<>=!?.%-]*", text):
       return Symbol(text)
@@ -207,6 +217,7 @@ def select(program: Program, variant: str | None = None, sets: list[tuple[str, s
     knobs["eval-every"] = Knob(None, "file")
   for name, value in (overrides or {}).items():
     if value is not None:
+      _check_range(name, value, None, 0, None, where=f"--{name} {value}")
       knobs[name] = Knob(value, "override")
   if knobs["steps"].value is None:
     raise SxError("E-RUN-002", "defrun has no :steps", location=program.run.loc,

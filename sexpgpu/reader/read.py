@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import re
+import sys
 
 from sexpgpu.errors import Loc, SxError, register_source
 from sexpgpu.reader.forms import Atom, Form, Keyword, List, Symbol, Vector
@@ -13,6 +17,25 @@ _INT = re.compile(r"^[+-]?\d[\d_]*$")
 _FLOAT = re.compile(r"^[+-]?(\d[\d_]*)?(\.\d[\d_]*)?([eE][+-]?\d+)?$")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\", "0": "\0"}
 _CLOSERS = {"(": ")", "[": "]"}
+# Forms nest at most this deep: every later stage walks them recursively, and a file
+# deeper than this is a generated mistake, not an experiment.
+MAX_DEPTH = 1000
+# Integer literals fit in 64 bits: a knob, a shape or a seed never needs more.
+INT_LIMIT = 2**63
+_BOM = "\ufeff"
+# Python frames the reader and the evaluator may use for forms MAX_DEPTH deep.
+RECURSION_LIMIT = 20 * MAX_DEPTH
+
+
+@contextlib.contextmanager
+def deep_recursion():
+  """Raises Python's recursion limit to RECURSION_LIMIT for the block (forms nest deep)."""
+  old = sys.getrecursionlimit()
+  sys.setrecursionlimit(max(old, RECURSION_LIMIT))
+  try:
+    yield
+  finally:
+    sys.setrecursionlimit(old)
 
 
 class _Cursor:
@@ -62,23 +85,60 @@ def read_text(text: str, file: str = "<string>") -> list[Form]:
   Raises:
     SxError: E-READ-001 (brackets), E-READ-002 (strings), E-READ-003 (tokens).
   """
+  if text.startswith(_BOM):  # editors on Windows write one; it is no part of the text
+    text = text[1:]
   register_source(file, text)
   cur = _Cursor(text, file)
   forms = []
-  while True:
-    _skip_space(cur)
-    if not cur.peek():
-      return forms
-    form = _read_form(cur, top=True)
-    if form is not None:
-      forms.append(form)
+  with deep_recursion():
+    while True:
+      _skip_space(cur)
+      if not cur.peek():
+        return forms
+      form = _read_form(cur, top=True)
+      if form is not None:
+        forms.append(form)
+
+
+def read_source(path: str, display: str | None = None) -> str:
+  """The text of a `.sx` file: UTF-8, a leading byte-order mark dropped.
+
+  Args:
+    path: the file to read.
+    display: the name shown in errors (default: path).
+
+  Returns:
+    The file's text.
+
+  Raises:
+    SxError: E-REQ-001 when it is no readable file, E-READ-003 when it is not UTF-8 text.
+  """
+  shown = display or path
+  if os.path.isdir(path):
+    raise SxError("E-REQ-001", f"`{shown}` is a directory, not an experiment file", where=shown,
+                  fix="give the path of a .sx file")
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise SxError("E-REQ-001", f"cannot read `{shown}`: {e.strerror or e}", where=shown,
+                  fix="check the path and its permissions") from None
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    before = data[:e.start].decode("utf-8", errors="replace")
+    line = before.count("\n") + 1
+    col = len(before) - (before.rfind("\n") + 1) + 1
+    raise SxError("E-READ-003", f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8 "
+                  "text: this looks like a binary file", location=Loc(shown, line, col, line, col + 1),
+                  fix="an experiment is a UTF-8 text file; check that this is the .sx you meant"
+                  ) from None
+  return text[1:] if text.startswith(_BOM) else text
 
 
 def read_file(path: str, display: str | None = None) -> list[Form]:
   """Reads a `.sx` file; `display` is the name shown in errors (default: path)."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  return read_text(text, display or path)
+  return read_text(read_source(path, display), display or path)
 
 
 def _skip_space(cur: _Cursor) -> None:
@@ -102,10 +162,10 @@ def _skip_space(cur: _Cursor) -> None:
       return
 
 
-def _read_form(cur: _Cursor, top: bool) -> Form:
+def _read_form(cur: _Cursor, top: bool, depth: int = 0) -> Form:
   c = cur.peek()
   if c in "([":
-    return _read_seq(cur)
+    return _read_seq(cur, depth + 1)
   if c in ")]":
     where = cur.point()
     cur.getc()
@@ -116,8 +176,12 @@ def _read_form(cur: _Cursor, top: bool) -> Form:
   return _read_token(cur)
 
 
-def _read_seq(cur: _Cursor) -> Form:
+def _read_seq(cur: _Cursor, depth: int) -> Form:
   start = cur.here()
+  if depth > MAX_DEPTH:
+    raise SxError("E-READ-001", f"forms nest more than {MAX_DEPTH} deep here",
+                  location=Loc(cur.file, start[0], start[1], start[0], start[1] + 1),
+                  fix="name the inner parts with let or defn, or check the brackets")
   opener = cur.getc()
   closer = _CLOSERS[opener]
   items = []
@@ -141,7 +205,7 @@ def _read_seq(cur: _Cursor) -> Form:
       cur.getc()
       loc = cur.loc(start)
       return List(loc, tuple(items)) if opener == "(" else Vector(loc, tuple(items))
-    items.append(_read_form(cur, top=False))
+    items.append(_read_form(cur, top=False, depth=depth))
 
 
 def _read_string(cur: _Cursor) -> Form:
@@ -198,13 +262,15 @@ def _parse_token(tok: str):
   if tok == "nil":
     return None
   if _INT.match(tok):
-    return int(tok.replace("_", ""))
+    value = int(tok.replace("_", ""))
+    return value if -INT_LIMIT <= value < INT_LIMIT else _BAD
   if (tok[0].isdigit() or (tok[0] in "+-." and len(tok) > 1 and (tok[1].isdigit() or tok[1] == "."))) \
       and _FLOAT.match(tok) and any(ch.isdigit() for ch in tok):
     try:
-      return float(tok.replace("_", ""))
+      value = float(tok.replace("_", ""))
     except ValueError:
       return _BAD
+    return value if math.isfinite(value) else _BAD
   if tok.startswith(":"):
     name = tok[1:]
     if name and all(ch in _SYMBOL_CHARS for ch in name):
@@ -216,6 +282,10 @@ def _parse_token(tok: str):
 
 
 def _token_fix(tok: str) -> str:
+  if _INT.match(tok):
+    return "integers fit in 64 bits (below 9223372036854775808 in size)"
+  if _FLOAT.match(tok) and any(ch.isdigit() for ch in tok):
+    return "floats are finite, below about 1.8e308 in size"
   if tok[0].isdigit():
     return "a number is digits with an optional `.`, exponent and `_` separators; " \
            "a symbol may not start with a digit"

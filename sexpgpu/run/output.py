@@ -2,15 +2,61 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
-from typing import Any
+from typing import Any, TextIO
+
+# The streams found closed (a reader such as `| head -1` that went away): nothing more is
+# written to them, and the run goes on.
+_CLOSED: set[int] = set()
+
+
+def write(stream: TextIO, text: str) -> bool:
+  """Writes and flushes `text`; a closed pipe is not an error: the run goes on without it.
+
+  Args:
+    stream: sys.stdout or sys.stderr.
+    text: what to write.
+
+  Returns:
+    Whether it was written.
+  """
+  fd = _fileno(stream)
+  if (fd if fd >= 0 else id(stream)) in _CLOSED:
+    return False
+  try:
+    stream.write(text)
+    stream.flush()
+    return True
+  except (BrokenPipeError, ValueError, OSError):
+    _silence(stream, fd)
+    return False
+
+
+def _fileno(stream: TextIO) -> int:
+  try:
+    return stream.fileno()
+  except (ValueError, OSError, AttributeError):
+    return -1
+
+
+def _silence(stream: TextIO, fd: int) -> None:
+  # Later writes, Python's own flush at exit and native libraries' writes go to
+  # /dev/null instead of failing on the dead pipe.
+  _CLOSED.add(fd if fd >= 0 else id(stream))
+  if fd >= 0:
+    try:
+      null = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(null, fd)
+      os.close(null)
+    except OSError:
+      pass
 
 
 def err(line: str) -> None:
   """Writes one line to standard error and flushes it (a host-visible progress point)."""
-  sys.stderr.write(line + "\n")
-  sys.stderr.flush()
+  write(sys.stderr, line + "\n")
 
 
 def config_line(file: str, slug: str, device: str, steps: int, microbatches: int, evals: str,

@@ -250,7 +250,51 @@ def open_bundle(path: str) -> tuple[str, str | None, list[tuple[str, str]]]:
       shutil.rmtree(tmp, ignore_errors=True)
   variant = manifest.get("variant")
   sets = [(str(k), str(v)) for k, v in manifest.get("sets") or []]
-  return os.path.join(dest, *manifest["experiment"].split("/")), variant, sets
+  experiment = os.path.join(dest, *manifest["experiment"].split("/"))
+  _link_data_beside(path, os.path.dirname(experiment), manifest)
+  return experiment, variant, sets
+
+
+def _link_data_beside(archive: str, exp_dir: str, manifest: dict) -> None:
+  """Links each loader file left out of the bundle to a copy found beside the `.sxb`.
+
+  A bundle made without --with-data names its loaders' files relative to the experiment;
+  on another machine the user puts them beside the archive (at the same relative path, or
+  just the file), and the extracted experiment finds them there.
+  """
+  here = os.path.dirname(os.path.abspath(archive))
+  for rel in manifest.get("data_not_bundled") or []:
+    if os.path.isabs(rel) or _bad_member(rel):
+      continue
+    target = os.path.join(exp_dir, *rel.split("/"))
+    if os.path.isfile(target) and not os.path.islink(target):
+      continue
+    found = next((c for c in (os.path.join(here, *rel.split("/")),
+                              os.path.join(here, os.path.basename(rel))) if os.path.isfile(c)),
+                 None)
+    if found is None:
+      continue
+    try:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      if os.path.islink(target):
+        os.remove(target)
+      os.symlink(found, target)
+    except OSError:
+      continue  # the loader's own E-LOAD-001 says what is missing
+
+
+def missing_data_hint(archive: str) -> str | None:
+  """The fix for an E-LOAD-001 from a bundle made without --with-data, or None."""
+  try:
+    left = [p for p in read_manifest(archive).get("data_not_bundled") or []
+            if not os.path.isabs(p)]
+  except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+    return None
+  if not left:
+    return None
+  here = os.path.dirname(os.path.abspath(archive)) or "."
+  return (f"this bundle was made without --with-data: put {', '.join(left)} beside "
+          f"{os.path.basename(archive)} (in {here}), or make the bundle again with --with-data")
 
 
 def read_manifest(path: str) -> dict:

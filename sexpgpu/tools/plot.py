@@ -26,11 +26,15 @@ def read_events(paths: list[str]) -> dict[str, list[dict]]:
   by_slug: dict[str, list[dict]] = defaultdict(list)
   for path in paths:
     try:
-      with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
+      with open(path, "rb") as f:
+        lines = f.read().decode("utf-8").splitlines()
     except OSError as e:
       raise SxError("E-METRICS-001", f"cannot read metrics file {path}: {e.strerror}",
                     where=path, fix="give the jsonl file a run wrote with --metrics jsonl:PATH")
+    except UnicodeDecodeError as e:
+      raise SxError("E-METRICS-001", f"metrics file {path} is not text (byte {e.start} is no "
+                    "UTF-8)", where=path,
+                    fix="give the jsonl file a run wrote with --metrics jsonl:PATH") from None
     for line in lines:
       try:
         ev = json.loads(line)

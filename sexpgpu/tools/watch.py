@@ -7,6 +7,8 @@ A file that does not exist yet is waited for.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 from sexpgpu.track.status import read_status
@@ -57,7 +59,13 @@ def final_line(status: dict) -> str:
   return line
 
 
-def watch(path: str, interval: float = 0.5, console=None, timeout: float | None = None) -> int:
+# Seconds a status file may take to appear (a run started just before watch writes it
+# within its first second).
+APPEAR_SECONDS = 30.0
+
+
+def watch(path: str, interval: float = 0.5, console=None, timeout: float | None = None,
+          appear: float = APPEAR_SECONDS) -> int:
   """Shows the run's progress until its status says done, stopped or failed.
 
   Args:
@@ -65,10 +73,30 @@ def watch(path: str, interval: float = 0.5, console=None, timeout: float | None 
     interval: seconds between reads.
     console: a rich Console (default: standard output).
     timeout: give up after this many seconds (None: never), returning 3.
+    appear: seconds to wait for a readable status file before it is an error.
 
   Returns:
     0 done, 1 failed, 2 stopped, 3 timed out.
+
+  Raises:
+    SxError: E-METRICS-001 when no readable status file appears within `appear` seconds.
   """
+  from sexpgpu.errors import SxError
+  if os.path.isdir(path):
+    raise SxError("E-METRICS-001", f"{path} is a directory, not a status file", where=path,
+                  fix="give the file the run writes with --status PATH")
+  if _read(path) is None:
+    sys.stderr.write(f"watch: waiting up to {appear:g}s for {path} (a run writes it with "
+                     "--status)\n")
+    sys.stderr.flush()
+    give_up = time.monotonic() + appear
+    while _read(path) is None:
+      if time.monotonic() > give_up:
+        what = "is not a status file" if os.path.exists(path) else "does not exist"
+        raise SxError("E-METRICS-001", f"{path} {what} (waited {appear:g}s)", where=path,
+                      fix="start the run with --status PATH (or SEXPGPU_STATUS) and watch "
+                      "that PATH")
+      time.sleep(min(interval, 0.2))
   from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
   console = console or Console()
