@@ -7,6 +7,8 @@ import difflib
 import os
 from typing import Iterable, Sequence
 
+from sexpgpu.catalogue import CATALOGUE
+
 # The text of every file the reader has read, so an error can show its line.
 _SOURCES: dict[str, str] = {}
 
@@ -39,22 +41,24 @@ class SxError(Exception):
   """A user's mistake, with its code, place and fix.
 
   Attributes:
-    code: the catalogue code, such as "E-SHAPE-001".
+    code: the catalogue code, such as "E-SHAPE-001" (`sexpgpu.catalogue`).
     message: one line saying what was found and what was expected.
     location: the `.sx` place (a Loc), or None for errors found outside a file.
     where: for errors outside a file, the flag, variable or location named.
-    fix: how to fix it.
+    fix: how to fix it; the catalogue's fix for the code when a raise gives none.
     notes: further `= key: value` lines (operands, scope chain, ...).
   """
 
   def __init__(self, code: str, message: str, *, location: Loc | None = None,
                where: str | None = None, fix: str | None = None,
                notes: Sequence[tuple[str, str]] = ()):
+    if code not in CATALOGUE:  # a programming error: every code is catalogued
+      raise ValueError(f"error code {code!r} is not in sexpgpu/catalogue.py")
     self.code = code
     self.message = message
     self.location = location
     self.where = where
-    self.fix = fix
+    self.fix = fix if fix is not None else CATALOGUE[code].fix
     self.notes = list(notes)
     super().__init__(self.render())
 

@@ -1,0 +1,151 @@
+"""The error catalogue: every code a user can meet, its title and its default fix.
+
+`SxError` refuses a code that is not here and, when a raise gives no fix,
+takes the fix from here. Titles are those of `../shared/spec/60-errors.md`
+and, for E-DP, the seed's Devices page (tests/test_catalogue.py holds both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One code: what it means and how a user usually fixes it."""
+
+  code: str
+  title: str
+  fix: str
+
+
+_ENTRIES = (
+    # reading and the language
+    Entry("E-READ-001", "unbalanced or unexpected `)` `]`; an unclosed form names where it opened",
+          "balance the brackets: every `(` and `[` needs its `)` or `]`"),
+    Entry("E-READ-002", "unterminated string or bad escape",
+          'close the string with `"`; the escapes are \\n \\t \\" \\\\'),
+    Entry("E-READ-003", "a token that is no number, symbol or keyword",
+          "write a number, a symbol, a :keyword or a \"string\""),
+    Entry("E-NAME-001", "an unbound name (the nearest names are suggested)",
+          "define the name before using it, or fix its spelling"),
+    Entry("E-NAME-002", "a name defined twice (both places)",
+          "rename one of the two definitions"),
+    Entry("E-FORM-001", "a special form written wrong (arity, a keyword without value)",
+          "write the form as its reference shows (docs/language.md)"),
+    Entry("E-FORM-002", "an unknown keyword argument (the known ones listed)",
+          "use one of the keywords listed"),
+    Entry("E-REQ-001", "a required file not found",
+          "give a path relative to the requiring file, or a std/ name"),
+    Entry("E-REQ-002", "a cycle of requires (the cycle printed)",
+          "move what both files need into a third file that both require"),
+    # the selection
+    Entry("E-KNOB-001", "an unknown knob in `--set` or a variant",
+          "set a knob that the file defines with defknob"),
+    Entry("E-KNOB-002", "a value that does not parse as the knob's type",
+          "give a value of the knob's type"),
+    Entry("E-KNOB-003", "a value outside `:choices`, `:min`, `:max`",
+          "give a value within the knob's :choices, :min and :max"),
+    Entry("E-VARIANT-001", "an unknown variant (the defined ones listed)",
+          "pick one of the variants the file defines"),
+    # building the graph
+    Entry("E-TYPE-001",
+          "a static value expected and a tensor found (or the reverse), or a dtype clash",
+          "convert with `cast`, or pass a static number where one is expected"),
+    Entry("E-SHAPE-001", "an operation's shapes do not fit (every operand's shape)",
+          "make the operands' shapes agree as the operation needs"),
+    Entry("E-RUN-001", "no `defrun`, or two",
+          "write exactly one (defrun ...) in the experiment"),
+    Entry("E-RUN-002", "a `defrun` field missing or invalid (the loss is not a scalar, …)",
+          "give every required defrun field a valid value"),
+    Entry("E-CURR-001", "a curriculum stage that changes a parameter's shape",
+          "change only what keeps every parameter's shape (sequence length, batch, rates)"),
+    # data
+    Entry("E-LOAD-001", "a loader's file is missing",
+          "check the path (relative to the experiment file) or the URI"),
+    Entry("E-LOAD-002", "a loader has fewer records than one microbatch",
+          "give the loader more data, or lower :batch"),
+    Entry("E-LOAD-003",
+          "a token file whose size is not a multiple of its dtype, or a token ≥ the model's "
+          "vocabulary",
+          "check the file's :dtype and the model's vocabulary size"),
+    Entry("E-LOAD-004", "an unreachable or forbidden remote (the URI without credentials)",
+          "check the URI, the network and the credentials (AWS_* or GOOGLE_* variables)"),
+    # checkpoints
+    Entry("E-CKPT-001", "`--resume latest` without a checkpoint location",
+          "give --checkpoint-dir (or SEXPGPU_CHECKPOINT_DIR) with --resume"),
+    Entry("E-CKPT-002", "a checkpoint of another experiment (what differs is named)",
+          "resume with the experiment, selection and knobs that wrote the checkpoint"),
+    Entry("E-CKPT-003", "an unreadable checkpoint",
+          "resume from another step, or start afresh without --resume"),
+    Entry("E-CKPT-004", "a checkpoint location that cannot be written",
+          "give a checkpoint location that exists and can be written"),
+    # outputs and the environment
+    Entry("E-METRICS-001", "a metrics target that does not parse or cannot be opened",
+          "give targets as jsonl:PATH, tensorboard:DIR or mlflow:URI, comma-separated"),
+    Entry("E-ENV-001", "an environment variable that does not parse",
+          "fix or unset the variable named"),
+    # devices
+    Entry("E-DEV-001",
+          "a device that cannot be opened: neither cpu nor cuda, the CUDA plugin missing, or no "
+          "GPU visible",
+          "--device cpu, or pip install \"sexpgpu[cuda]\" (jax[cuda13]) beside an NVIDIA GPU"),
+    Entry("E-DEV-002", "a GPU's compute capability is below 8.0 (the card named)",
+          "run on a GPU of compute capability 8.0 or newer, or with --device cpu"),
+    Entry("E-DEV-003", "the NVIDIA driver is older than the 580 series",
+          "install an NVIDIA driver of the 580 series or newer"),
+    Entry("E-MEM-001", "the plan does not fit",
+          "lower :batch or the sequence length, use more :microbatches, or a larger card"),
+    # several GPUs and nodes: the seed's Devices page, word for word
+    Entry("E-DP-001",
+          "SEXPGPU_DEVICES does not parse, repeats an ordinal, names one that is not visible, "
+          "or no GPU is visible",
+          "list visible ordinals once each, SEXPGPU_DEVICES=0,1"),
+    Entry("E-DP-002",
+          "a resume's rank count, node count or loader rank differs from the checkpoint's; "
+          "the message names both",
+          "resume with the checkpoint's nodes and devices"),
+    Entry("E-DP-003", "the global microbatches do not divide over the GPUs",
+          "pick a device count that divides :microbatches"),
+    Entry("E-DP-004",
+          "the ranks' or the nodes' parameters or optimizer states disagree at a checkpoint",
+          "a backend bug, never the experiment's fault: that checkpoint was not written, so "
+          "--resume latest continues from the one before; report it with the step and "
+          "SEXPGPU_DEVICES"),
+    Entry("E-DP-005",
+          "SEXPGPU_NODES is not a count, SEXPGPU_NODE_RANK is not in 0..nodes, "
+          "SEXPGPU_RENDEZVOUS is not host:port, SEXPGPU_NODE_GRADIENTS is not f32 or bf16, "
+          "or the device is not cuda",
+          "set all three on every node, with SEXPGPU_DEVICE=cuda"),
+    Entry("E-DP-006",
+          "a node differs from node 0 at the rendezvous: node count, a node index twice, GPU "
+          "count, experiment, gradient dtype, or the checkpoint it resumes; the message names "
+          "both",
+          "the same files, flags, device count and checkpoint location on every node"),
+    Entry("E-DP-007", "a node did not arrive at the rendezvous within 300 s, or left the run",
+          "start every node; after a loss, restart every node with --resume latest"),
+    # training
+    Entry("E-NUM-001", "a non-finite loss with `:on-nan stop`",
+          "lower the learning rate, clip gradients, or use `:on-nan skip`"),
+    # tools
+    Entry("E-BUNDLE-001", "a bundle member with an absolute path or `..`",
+          "make the bundle with `sexpgpu bundle`; do not edit its members"),
+    Entry("E-BUNDLE-002",
+          "a bundle that is not one, or a member that does not match its manifest hash",
+          "make the bundle again with `sexpgpu bundle`"),
+    Entry("E-TOK-001", "a text source that cannot be read (naming it, and the line for `.jsonl`)",
+          "give UTF-8 text: .txt, .jsonl with the text --field, or .parquet"),
+    Entry("E-TOK-002", "a tokenizer named instead of given as a file",
+          "give a tokenizer.json file; nothing is downloaded"),
+)
+
+CATALOGUE: dict[str, Entry] = {e.code: e for e in _ENTRIES}
+
+
+def entry(code: str) -> Entry:
+  """The catalogue's entry for `code`.
+
+  Raises:
+    KeyError: the code is not in the catalogue (a programming error, not a user's).
+  """
+  return CATALOGUE[code]

@@ -1,0 +1,93 @@
+"""The error catalogue against the code that raises, the tests that provoke, and the specs."""
+
+import glob
+import os
+import re
+
+import pytest
+
+from sexpgpu.catalogue import CATALOGUE
+from sexpgpu.errors import SxError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+CODE = re.compile(r"E-[A-Z]+-\d{3}")
+# codes that 60-errors.md names for features not built yet (55-models.md)
+UNBUILT = {"E-SAMPLE-001", "E-EXPORT-001", "E-INIT-001"}
+
+
+def _codes_in(paths) -> dict[str, list[str]]:
+  found: dict[str, list[str]] = {}
+  for path in paths:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      for code in CODE.findall(f.read()):
+        found.setdefault(code, []).append(os.path.relpath(path, ROOT))
+  return found
+
+
+def test_every_code_in_the_source_is_catalogued():
+  paths = glob.glob(os.path.join(ROOT, "sexpgpu", "**", "*.py"), recursive=True)
+  paths = [p for p in paths if not p.endswith("catalogue.py")]
+  unknown = {c: ps for c, ps in _codes_in(paths).items() if c not in CATALOGUE}
+  assert not unknown, f"codes raised but not in sexpgpu/catalogue.py: {unknown}"
+
+
+def test_every_catalogued_code_is_provoked_by_a_test():
+  paths = [p for p in glob.glob(os.path.join(ROOT, "tests", "**", "*"), recursive=True)
+           if os.path.isfile(p) and not p.endswith(("test_catalogue.py", ".pyc"))]
+  tested = _codes_in(paths)
+  assert sorted(set(CATALOGUE) - set(tested)) == []
+
+
+def _expand(cell: str) -> list[str]:
+  """`E-LOAD-001 … 004` and `E-TOK-001, 002` → each code."""
+  m = re.fullmatch(r"(E-[A-Z]+-)(\d{3})(?:\s*(…|,)\s*(\d{3}))?", cell.strip())
+  assert m, cell
+  prefix, first, sep, last = m.groups()
+  if sep is None:
+    return [prefix + first]
+  if sep == ",":
+    return [prefix + first, prefix + last]
+  return [f"{prefix}{i:03d}" for i in range(int(first), int(last) + 1)]
+
+
+def _spec_rows() -> list[tuple[list[str], str]]:
+  with open(os.path.join(SHARED, "spec", "60-errors.md"), encoding="utf-8") as f:
+    rows = re.findall(r"^\| (E-[^|]+?) \| (.+?) \|$", f.read(), re.M)
+  return [(_expand(cell), when) for cell, when in rows]
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED), reason="the design docs are not beside the repo")
+def test_the_catalogue_agrees_with_the_errors_page():
+  rows = _spec_rows()
+  specified = {c for codes, _ in rows for c in codes}
+  assert sorted(set(CATALOGUE) - specified) == []
+  assert specified - set(CATALOGUE) == UNBUILT
+  for codes, when in rows:
+    if len(codes) == 1 and codes[0] in CATALOGUE:
+      assert CATALOGUE[codes[0]].title == when, codes[0]
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED), reason="the design docs are not beside the repo")
+def test_the_seed_devices_codes_keep_the_seeds_meaning_and_fix():
+  (page,) = glob.glob(os.path.join(SHARED, "seeds", "002_*.txt"))
+  with open(page, encoding="utf-8") as f:
+    text = f.read()
+  rows = re.findall(r"^(E-DP-\d{3})\t(.+?)\t(.+)$", text, re.M)
+  assert len(rows) == 7
+  for code, when, fix in rows:
+    assert (CATALOGUE[code].title, CATALOGUE[code].fix) == (when.strip(), fix.strip())
+  assert set(CODE.findall(text)) <= set(CATALOGUE)
+
+
+def test_an_unknown_code_is_a_programming_error():
+  with pytest.raises(ValueError, match="E-NOPE-001"):
+    SxError("E-NOPE-001", "x")
+
+
+def test_a_raise_without_a_fix_takes_the_catalogues():
+  e = SxError("E-DP-003", "8 microbatches over 3 GPUs", where="SEXPGPU_DEVICES")
+  assert e.fix == CATALOGUE["E-DP-003"].fix
+  assert f"= fix: {CATALOGUE['E-DP-003'].fix}" in str(e)
+  assert SxError("E-DP-003", "x", fix="use 2 GPUs").fix == "use 2 GPUs"
+  assert "= fix" not in str(SxError("E-DP-003", "x", fix=""))
