@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sexpgpu.data import files, mix, synthetic
+from sexpgpu.data import files, mix, synthetic, text
 from sexpgpu.data.base import Context, Loader
 from sexpgpu.data.spec import LoaderSpec, bind_args
 from sexpgpu.errors import SxError, did_you_mean
@@ -20,6 +20,7 @@ KINDS: dict[str, type[Loader]] = {
     "bytes": files.BytesLoader,
     "arrays": files.ArraysLoader,
     "mix": mix.MixLoader,
+    "text": text.TextLoader,
 }
 
 

@@ -31,6 +31,7 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
     size = "endless" if d.get("records") is None else f"{d['records']} records"
     extra = (f" entropy rate {d['entropy_rate']:.5f} nats/token (the floor of the loss)"
              if "entropy_rate" in d else "")
+    extra += f" ({d['summary']})" if "summary" in d else ""
     lines.append(f"  {name}: {d['kind']} {fields} {size}{extra}")
   lines += ["", "passes:"] + [
       f"  {n}: :data {p.data} :every {p.every if p.every is not None else '-'} "

@@ -1,0 +1,260 @@
+"""The `text` loader: rows of a token cache, packed end to end or as whole documents, with masks."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from sexpgpu.data import base, remote, textcache
+from sexpgpu.data.files import RecordOrder
+from sexpgpu.data.spec import ArgTable, LoaderSpec, form_error, fraction_range, load_error, positive_int
+
+# Keeps the text loader's shuffle apart from the other loaders' streams (base.TAG_*).
+TAG_TEXT = 6
+_I32 = np.dtype(np.int32)
+PACKS = ("concat", "docs")
+
+
+class _Order(RecordOrder):
+  """RecordOrder seeded by (run seed, `:seed`, stream, epoch)."""
+
+  def __init__(self, count: int, shuffle: bool, seed: int, own_seed: int, stream: int):
+    super().__init__(count, shuffle, seed, stream)
+    self.own_seed = own_seed
+
+  def permutation(self, epoch: int) -> np.ndarray:
+    if epoch not in self._perms:
+      if len(self._perms) >= 2:
+        self._perms.pop(next(iter(self._perms)))
+      g = base.rng(TAG_TEXT, self.seed, self.own_seed, self.stream, epoch)
+      self._perms[epoch] = g.permutation(self.count)
+    return self._perms[epoch]
+
+
+class TextLoader(base.Loader):
+  """`(text "cache/" :seq N :batch B [:pack concat|docs] [:split [a b]] [:shuffle] [:stream K] [:seed S])`.
+
+  The cache is what `sexpgpu tokenize` writes (a folder, or s3:// / gs://
+  fetched shard by shard into the data cache). `:split [a b]` keeps documents
+  floor(a·D) … floor(b·D)−1 of the cache's D. `:pack concat` lays those
+  documents end to end and cuts rows of N (the last row padded); `:pack docs`
+  places whole documents (a longer one cut into pieces of N) into rows first-fit
+  in order, the rest of a row padding. Rows are fixed by the cache and the
+  arguments; `:shuffle` permutes them each epoch by (run seed, `:seed`, stream,
+  epoch), so record p is a pure function of those and p. Each record has
+  `:tokens` (padding is the end-of-document id), `:segments` (1, 2, 3 … per
+  document in the row, 0 for padding) and `:positions` (inside the document's
+  piece in the row, from 0), all int32[N].
+  """
+
+  kind = "text"
+  arg_table = ArgTable(("path", "seq", "batch"),
+                       {"pack": "concat", "split": (0, 1), "shuffle": None, "stream": 0,
+                        "seed": 0})
+
+  def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
+    super().__init__()
+    self.spec = spec
+    self.uri = args["path"]
+    if not isinstance(self.uri, str) or not self.uri:
+      raise form_error(spec, f"the cache is {self.uri!r}, expected a folder",
+                       '(text "cache/" :seq 1024 :batch 8)')
+    self.seq = positive_int(spec, args, "seq")
+    self.batch_size = positive_int(spec, args, "batch")
+    self.pack = str(args["pack"])
+    if self.pack not in PACKS:
+      raise form_error(spec, f"`:pack` is {self.pack}, expected concat or docs",
+                       "write :pack concat (end to end) or :pack docs (whole documents)")
+    split = fraction_range(spec, args["split"])
+    shuffle = ctx.shuffle_default if args["shuffle"] is None else args["shuffle"]
+    if not isinstance(shuffle, bool):
+      raise form_error(spec, f"`:shuffle` is {shuffle!r}, expected true or false",
+                       "write :shuffle true or :shuffle false")
+    stream = positive_int(spec, args, "stream", minimum=0)
+    own_seed = positive_int(spec, args, "seed", minimum=0)
+    self.manifest, files = _open_cache(spec, self.uri, ctx.cache_dir)
+    self.eos = int(self.manifest["tokenizer"]["eos_id"])
+    self.vocab = int(self.manifest["tokenizer"]["vocab"])
+    self._shards, starts, ends = self._read_shards(files)
+    total = len(starts)
+    d0, d1 = math.floor(split[0] * total), math.floor(split[1] * total)
+    self.documents = d1 - d0
+    if self.documents == 0:
+      raise load_error("E-LOAD-002", spec, self.uri, f"the split {list(split)} holds no document "
+                       f"of the cache's {total}", "widen :split, or tokenize more text")
+    self._base = int(starts[d0])
+    self.tokens = int(ends[d1 - 1]) - self._base
+    self._bounds = np.append(starts[d0:d1] - self._base, self.tokens)  # document starts, then T
+    if self.pack == "concat":
+      self.records = -(-self.tokens // self.seq)
+    else:
+      self._rows = _first_fit(np.diff(self._bounds), self.seq)
+      self.records = len(self._rows[0]) - 1
+    if self.records < self.batch_size:
+      raise load_error("E-LOAD-002", spec, self.uri,
+                       f"{self.records} rows of {self.seq} tokens is fewer than one microbatch "
+                       f"of {self.batch_size}", "tokenize more text, or lower :seq or :batch")
+    self.order = _Order(self.records, shuffle, ctx.seed, own_seed, stream)
+    shape = (self.batch_size, self.seq)
+    self.fields = {"tokens": (shape, _I32), "segments": (shape, _I32),
+                   "positions": (shape, _I32)}
+
+  def _read_shards(self, files: dict[str, str]):
+    """Memory-maps each whole shard; the global start and end of every document."""
+    dtype = np.dtype(self.manifest["dtype"])
+    maps, starts, ends, offset = [], [], [], 0
+    for entry in self.manifest["shards"]:
+      idx_file, bin_file = files[entry["shard"] + ".idx"], files[entry["shard"] + ".bin"]
+      for path, want in ((bin_file, entry["tokens"] * dtype.itemsize),
+                         (idx_file, (entry["documents"] + 1) * 8)):
+        have = os.path.getsize(path)
+        if have != want:
+          raise load_error("E-LOAD-003", self.spec, path,
+                           f"{have} bytes, the manifest says {want}: the shard is truncated "
+                           "or was rewritten", "run the same `sexpgpu tokenize` command again; "
+                           "it rebuilds the shards that are not whole")
+      idx = np.fromfile(idx_file, np.int64)
+      if idx[0] != 0 or idx[-1] != entry["tokens"] or (np.diff(idx) <= 0).any():
+        raise load_error("E-LOAD-003", self.spec, idx_file, "the document offsets are not "
+                         "increasing from 0 to the shard's tokens",
+                         "run the same `sexpgpu tokenize` command again")
+      maps.append((offset, np.memmap(bin_file, dtype=dtype, mode="r")))
+      starts.append(idx[:-1] + offset)
+      ends.append(idx[1:] + offset)
+      offset += int(entry["tokens"])
+    return maps, np.concatenate(starts), np.concatenate(ends)
+
+  def _read(self, start: int, length: int) -> np.ndarray:
+    """Tokens [start, start+length) of the split's stream, across shard boundaries."""
+    g0, g1 = self._base + start, self._base + start + length
+    parts = []
+    for offset, m in self._shards:
+      lo, hi = max(g0, offset), min(g1, offset + len(m))
+      if lo < hi:
+        parts.append(m[lo - offset:hi - offset])
+    return np.concatenate(parts).astype(_I32) if parts else np.empty(0, _I32)
+
+  def batch(self, i: int) -> dict[str, np.ndarray]:
+    """The i-th microbatch of rows, a pure function of (cache, args, seed, i)."""
+    rows = self.order.indices(i * self.batch_size, self.batch_size)
+    out = {k: np.zeros((self.batch_size, self.seq), _I32) for k in self.fields}
+    out["tokens"].fill(self.eos)
+    build = self._concat_row if self.pack == "concat" else self._docs_row
+    for j, r in enumerate(rows):
+      build(int(r), out["tokens"][j], out["segments"][j], out["positions"][j])
+    return out
+
+  def _concat_row(self, r: int, tokens, segments, positions) -> None:
+    start = r * self.seq
+    n = min(self.seq, self.tokens - start)
+    tokens[:n] = self._read(start, n)
+    p = np.arange(start, start + n)
+    doc = np.searchsorted(self._bounds, p, side="right") - 1
+    segments[:n] = doc - doc[0] + 1
+    positions[:n] = p - np.maximum(self._bounds[doc], start)
+
+  def _docs_row(self, r: int, tokens, segments, positions) -> None:
+    ptr, piece_start, piece_len = self._rows
+    at = 0
+    for k, q in enumerate(range(ptr[r], ptr[r + 1])):
+      n = int(piece_len[q])
+      tokens[at:at + n] = self._read(int(piece_start[q]), n)
+      segments[at:at + n] = k + 1
+      positions[at:at + n] = np.arange(n)
+      at += n
+
+  def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
+    """The non-padding tokens of a batch (what `counter tokens` counts)."""
+    return int(np.count_nonzero(batch["segments"]))
+
+  def padding(self) -> float:
+    """The fraction of row positions that are padding."""
+    return 1.0 - self.tokens / (self.records * self.seq)
+
+  def describe(self) -> dict[str, Any]:
+    """Kind, field types, rows, the cache, its documents, tokens, vocabulary and padding."""
+    return {**super().describe(), "file": remote.redact(self.uri), "documents": self.documents,
+            "tokens": self.tokens, "vocab": self.vocab, "padding": self.padding(),
+            "summary": f"{self.documents} documents, {self.tokens} tokens, vocabulary "
+                       f"{self.vocab}, padding {100 * self.padding():.1f}%"}
+
+
+def _first_fit(lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Packs documents into rows of n, first-fit in order, longer ones cut into pieces of n.
+
+  Args:
+    lengths: each document's length, in order.
+    n: the row length.
+
+  Returns:
+    (row pointers, piece starts, piece lengths): the pieces of row r are
+    ptr[r] … ptr[r+1]−1, in placement order; starts are stream offsets.
+  """
+  doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+  pieces = [(int(s) + k, min(n, int(length) - k))
+            for s, length in zip(doc_starts, lengths) for k in range(0, int(length), n)]
+  size = 1
+  while size < len(pieces):
+    size *= 2
+  tree = [n] * (2 * size)  # the most free room under each node; the leaves are rows
+  row_of = [0] * len(pieces)
+  for q, (_, length) in enumerate(pieces):
+    node = 1
+    while node < size:  # the leftmost row with room for the piece
+      node = 2 * node if tree[2 * node] >= length else 2 * node + 1
+    row_of[q] = node - size
+    tree[node] -= length
+    node //= 2
+    while node:
+      tree[node] = max(tree[2 * node], tree[2 * node + 1])
+      node //= 2
+  row_of = np.array(row_of, np.int64)
+  order = np.argsort(row_of, kind="stable")
+  rows = int(row_of.max()) + 1
+  ptr = np.zeros(rows + 1, np.int64)
+  np.cumsum(np.bincount(row_of, minlength=rows), out=ptr[1:])
+  starts = np.array([p[0] for p in pieces], np.int64)[order]
+  lens = np.array([p[1] for p in pieces], np.int64)[order]
+  return ptr, starts, lens
+
+
+def _open_cache(spec: LoaderSpec, uri: str, cache_dir: str | None):
+  """The manifest and the local path of each file of a cache (remote ones fetched)."""
+  if remote.is_remote(uri):
+    root = uri.rstrip("/")
+    folder = cache_dir or remote.default_cache_dir()
+    manifest_file = remote.fetch(spec, f"{root}/{textcache.MANIFEST}", folder)
+    manifest = _manifest(spec, uri, os.path.dirname(manifest_file))
+    files = {}
+    for entry in manifest["shards"]:
+      for ext in (".idx", ".bin"):
+        files[entry["shard"] + ext] = remote.fetch(spec, f"{root}/{entry['shard']}{ext}", folder)
+    return manifest, files
+  local = uri if os.path.isabs(uri) else os.path.join(spec.base_dir, uri)
+  if not os.path.isdir(local):
+    raise load_error("E-LOAD-001", spec, local, "no such token cache folder",
+                     f"build it with `sexpgpu tokenize TEXT... -o {uri} --train-bpe 2048`; "
+                     f"relative paths start at {spec.base_dir or '.'}")
+  manifest = _manifest(spec, uri, local)
+  files = {entry["shard"] + ext: os.path.join(local, entry["shard"] + ext)
+           for entry in manifest["shards"] for ext in (".idx", ".bin")}
+  for path in files.values():
+    if not os.path.isfile(path):
+      raise load_error("E-LOAD-001", spec, path, "a shard the manifest lists is missing",
+                       "run the same `sexpgpu tokenize` command again")
+  return manifest, files
+
+
+def _manifest(spec: LoaderSpec, uri: str, folder: str) -> dict[str, Any]:
+  manifest = textcache.read_manifest(folder)
+  if manifest is None:
+    raise load_error("E-LOAD-001", spec, os.path.join(uri, textcache.MANIFEST),
+                     "no readable token cache manifest here",
+                     f"build the cache with `sexpgpu tokenize TEXT... -o {uri} --train-bpe 2048`")
+  if not manifest["shards"]:
+    raise load_error("E-LOAD-002", spec, uri, "the cache holds no shard yet",
+                     "run `sexpgpu tokenize` to the end")
+  return manifest
