@@ -24,8 +24,9 @@ LOADER_KINDS = {
     "bytes": ("seq", "batch", "stream", "shuffle", "split"),
     "arrays": ("fields", "batch", "stream", "shuffle", "split"),
     "mix": ("batch", "stream", "shuffle"),
+    "text": ("seq", "batch", "pack", "split", "shuffle", "stream", "seed"),
 }
-FILE_LOADERS = ("tokens", "bytes", "arrays")
+FILE_LOADERS = ("tokens", "bytes", "arrays", "text")
 DIAG_KINDS = ("grad-norm", "param-norm", "update-ratio", "tap")
 REDUCERS = ("mean", "max", "min", "sum", "rms")
 
@@ -193,7 +194,8 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
                   fix=(did_you_mean(str(kind), LOADER_KINDS) + " " if kind else "")
                   + "kinds: " + " ".join(LOADER_KINDS))
   pos, kws, locs = split_keywords(spec, 1, LOADER_KINDS[kind], f"loader kind {kind}")
-  args = {k: (_field_names(f) if k == "fields" else _static(b, f, env, f"loader {name} :{k}"))
+  args = {k: (_field_names(f) if k == "fields" else _symbol_name(f) if k == "pack"
+              else _static(b, f, env, f"loader {name} :{k}"))
           for k, f in kws.items()}
   if kind == "mix":
     comps = []
@@ -232,6 +234,13 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
   if "dtype" in args:
     args["dtype"] = str(args["dtype"])
   return LoaderDecl(name, str(kind), args, program.base_dir, spec.loc)
+
+
+def _symbol_name(form: Form) -> Any:
+  """`:pack docs` names a packing: the symbol is a name, not a variable."""
+  if isinstance(form, Atom) and isinstance(form.value, Symbol):
+    return str(form.value)
+  return form.value if isinstance(form, Atom) else str(form)
 
 
 def _field_names(form: Form) -> list[str]:
