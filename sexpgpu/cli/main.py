@@ -41,6 +41,10 @@ def _run_flags() -> flags.FlagValues:
   flags.DEFINE_string("resume", None, "DIR, s3://..., or latest (SEXPGPU_RESUME)", flag_values=fv)
   flags.DEFINE_bool("json", False, "the summary as one JSON line on standard output",
                     flag_values=fv)
+  flags.DEFINE_string("profile", None, "steps A..B to trace with jax.profiler (SEXPGPU_PROFILE)",
+                      flag_values=fv)
+  flags.DEFINE_string("profile_dir", None, "where the trace goes, default profile/<slug>/ "
+                      "beside the metrics file (SEXPGPU_PROFILE_DIR)", flag_values=fv)
   return fv
 
 
@@ -221,11 +225,11 @@ def main(argv: list[str] | None = None) -> int:
   """
   console = argv is None
   argv = list(sys.argv[1:] if argv is None else argv)
-  mine = _signals.FLAG.install(raising=True)  # in-process callers: installed here, restored below
-  _signals.FLAG.raising = True
-  _STARTUP["status"] = None
+  mine = _signals.FLAG.install(raising=False)  # in-process callers: installed here, restored below
+  _STARTUP["status"] = _status_path(argv)
   stopped = False
   try:
+    _signals.arm()
     code = _main(argv)
   except _signals.Stopped as e:
     code, stopped = _stopped(e), True
@@ -270,6 +274,18 @@ def _main(argv: list[str]) -> int:
     return 1
   except KeyboardInterrupt:
     return 130
+
+
+def _status_path(argv: list[str]) -> str | None:
+  """The status file a run was given (--status or SEXPGPU_STATUS), read before any parsing."""
+  if argv[:1] != ["run"]:
+    return None
+  for i, a in enumerate(argv):
+    if a.startswith("--status="):
+      return a.split("=", 1)[1]
+    if a == "--status" and i + 1 < len(argv):
+      return argv[i + 1]
+  return os.environ.get("SEXPGPU_STATUS") or None
 
 
 def _stopped(e: _signals.Stopped) -> int:

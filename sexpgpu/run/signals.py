@@ -60,8 +60,21 @@ class Flag:
     if first:
       self.received = signum
     if self.raising and first:
-      self.raising = False  # a second signal while start-up unwinds is only recorded
-      raise Stopped(signum)
+      self._stop_when_safe(frame)
+
+  def _stop_when_safe(self, frame) -> None:
+    # An exception raised while a module is being imported can leave a native extension
+    # half-initialised and crash the interpreter (SIGSEGV); the stop then waits for the
+    # import to finish, polling with a short timer.
+    if _importing(frame):
+      signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
+      return
+    self.raising = False  # a second signal while start-up unwinds is only recorded
+    raise Stopped(self.received)
+
+  def _retry(self, signum, frame) -> None:
+    if self.raising and self.received is not None:
+      self._stop_when_safe(frame)
 
   def install(self, raising: bool = True) -> bool:
     """Installs the handlers (main thread only) and unblocks the signals.
@@ -85,11 +98,13 @@ class Flag:
       self._old[s] = old
       if old is not signal.SIG_IGN:
         signal.signal(s, self._handle)
+    self._old[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._retry)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, list(SIGNALS))
     return True
 
   def restore(self) -> None:
     """Puts back the handlers that were there before install()."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
     for s, old in self._old.items():
       signal.signal(s, old)
     self._old.clear()
@@ -101,13 +116,41 @@ class Flag:
       raise Stopped(self.received)
 
 
+# How often a stop that arrived during an import checks whether the import has finished.
+RETRY_SECONDS = 0.02
+
+
+def _importing(frame) -> bool:
+  while frame is not None:
+    if frame.f_code.co_filename.startswith("<frozen importlib"):
+      return True
+    frame = frame.f_back
+  return False
+
+
 FLAG = Flag()
 
 
 def install() -> Flag:
-  """The CLI's first act: handlers that stop start-up at once. Returns FLAG."""
-  FLAG.install(raising=True)
+  """The CLI's first act, at import: handlers that record a signal. Returns FLAG.
+
+  The CLI's main() then arms them (`arm()`), once it can write a `stopped` status.
+  """
+  FLAG.install(raising=False)
   return FLAG
+
+
+def arm() -> None:
+  """From now until the loop takes over, a stop signal raises Stopped; one that arrived
+  before (while the CLI was still importing) raises it here.
+
+  Raises:
+    Stopped: a signal has already arrived.
+  """
+  FLAG.raising = True
+  if FLAG.received is not None:
+    FLAG.raising = False
+    raise Stopped(FLAG.received)
 
 
 @contextlib.contextmanager

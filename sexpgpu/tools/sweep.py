@@ -30,8 +30,9 @@ import time
 from typing import Any
 
 from sexpgpu.errors import SxError
+from sexpgpu.run.signals import SIGNALS as STOP_SIGNALS
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNALS = tuple(STOP_SIGNALS)  # the run's stop signals, forwarded to the points
 
 
 @dataclasses.dataclass
