@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from absl import flags
@@ -38,6 +39,7 @@ SUMMARIES = {
     "watch": ("STATUS_FILE", "a live progress bar from a run's status file"),
     "plot": ("METRICS.jsonl ...", "curves from runs' jsonl metrics, as a PNG"),
     "doctor": ("", "check this machine's floor for a device, one line per check"),
+    "tokenize": ("SOURCE... -o CACHE", "text files into a resumable token cache"),
 }
 
 
@@ -54,7 +56,9 @@ def summary(name: str, fn: Callable | None) -> tuple[str, str]:
   if name in SUMMARIES:
     return SUMMARIES[name]
   doc = (getattr(fn, "__doc__", None) or "").strip().splitlines()
-  return "", doc[0] if doc else ""
+  first = doc[0] if doc else ""
+  m = re.match(rf"`sexpgpu {re.escape(name)}\s*([^`]*)`[:.]?\s*(.*)", first)
+  return (m.group(1), m.group(2).rstrip(".")) if m else ("", first)
 
 
 def program_help(commands: dict[str, Callable]) -> str:
