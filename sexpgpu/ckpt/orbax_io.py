@@ -82,9 +82,8 @@ def abstract(tree: Any) -> Any:
 
 def _checkpointer() -> ocp.Checkpointer:
   opts = _alone()
-  from orbax.checkpoint._src.handlers.composite_checkpoint_handler import CompositeOptions
   handler = ocp.CompositeCheckpointHandler(
-      composite_options=CompositeOptions(multiprocessing_options=opts))
+      composite_options=ocp.CompositeOptions(multiprocessing_options=opts))
   return ocp.Checkpointer(handler, multiprocessing_options=opts)
 
 

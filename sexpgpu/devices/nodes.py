@@ -193,7 +193,7 @@ def initialize(cfg: NodeConfig, timeout_s: float,
   """
   global _CURRENT
   import jax
-  from jax._src import distributed
+  from orbax.checkpoint import multihost  # jax exports no public handle on its client
   wd = Watchdog(cfg, timeout_s, on_timeout)
   wd.arm("jax.distributed.initialize")  # before: initialize itself may hang or abort
   if cfg.collectives == "gloo":
@@ -206,7 +206,7 @@ def initialize(cfg: NodeConfig, timeout_s: float,
                                heartbeat_timeout_seconds=max(100, longer),
                                shutdown_timeout_seconds=max(300, longer))
   wd.disarm()
-  _CURRENT = Rendezvous(cfg, distributed.global_state.client, wd)
+  _CURRENT = Rendezvous(cfg, multihost.get_jax_distributed_client(), wd)
   return _CURRENT
 
 

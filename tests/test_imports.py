@@ -1,0 +1,145 @@
+"""The package's imports, read from the source: no cycle, no private API, layers that look one way."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "sexpgpu")
+PRIVATE = ("jax._src", "orbax.checkpoint._src", "jaxlib._src")
+
+# package → the sexpgpu packages and modules it may import (itself always)
+LAYERS = {
+    "sexpgpu.reader": {"sexpgpu.errors", "sexpgpu.catalogue"},
+    "sexpgpu.lang": {"sexpgpu.errors", "sexpgpu.catalogue", "sexpgpu.reader"},
+    "sexpgpu.ir": {"sexpgpu.errors", "sexpgpu.catalogue"},
+    "sexpgpu.front": {"sexpgpu.errors", "sexpgpu.catalogue", "sexpgpu.reader", "sexpgpu.lang",
+                      "sexpgpu.ir", "sexpgpu.data"},
+    "sexpgpu.lower": {"sexpgpu.errors", "sexpgpu.catalogue", "sexpgpu.ir", "sexpgpu.front"},
+}
+
+
+def _modules() -> dict[str, str]:
+  """Module name → path, for every .py file of the package."""
+  out = {}
+  for dirpath, _, files in os.walk(PKG):
+    for f in files:
+      if f.endswith(".py"):
+        rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].split(os.sep)
+        if rel[-1] == "__init__":
+          rel = rel[:-1]
+        out[".".join(rel)] = os.path.join(dirpath, f)
+  return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str, level: int, here: str, is_pkg: bool) -> str:
+  if not level:
+    return name
+  base = here.split(".") if is_pkg else here.split(".")[:-1]
+  base = base[:len(base) - (level - 1)]
+  return ".".join(base + ([name] if name else []))
+
+
+def _imports(mod: str) -> list[tuple[str, bool, int]]:
+  """(imported module, at module level, line) for each import of `mod`.
+
+  `from P import x` names module P.x when that is a module of the package, else P.
+  Imports under `if TYPE_CHECKING:` are left out (they never run).
+  """
+  path = MODULES[mod]
+  is_pkg = path.endswith("__init__.py")
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  found = []
+
+  def visit(node, top):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+        continue
+      inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                             ast.Lambda, ast.ClassDef))
+      if isinstance(child, ast.ClassDef):
+        inner = top  # a class body runs at import
+      if isinstance(child, ast.Import):
+        found.extend((a.name, top, child.lineno) for a in child.names)
+      elif isinstance(child, ast.ImportFrom):
+        base = _resolve(child.module or "", child.level, mod, is_pkg)
+        for a in child.names:
+          sub = f"{base}.{a.name}"
+          found.append((sub if sub in MODULES else base, top, child.lineno))
+      visit(child, inner)
+
+  visit(tree, True)
+  return found
+
+
+def test_no_private_imports():
+  bad = [f"{mod}:{line} imports {name}" for mod in MODULES for name, _, line in _imports(mod)
+         if name.startswith(PRIVATE) or "._src" in name]
+  assert bad == []
+
+
+def _graph(module_level: bool = True) -> dict[str, set[str]]:
+  return {mod: {name for name, top, _ in _imports(mod) if (top or not module_level)
+                and name in MODULES and name != mod}
+          for mod in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components with more than one module (Tarjan)."""
+  index, low, stack, on, out = {}, {}, [], set(), []
+
+  def strong(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        strong(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        out.append(sorted(comp))
+
+  for v in sorted(graph):
+    if v not in index:
+      strong(v)
+  return out
+
+
+def test_no_cycle_among_module_level_imports():
+  assert _cycles(_graph()) == []
+
+
+def test_no_cycle_hidden_in_a_function_level_import():
+  assert _cycles(_graph(module_level=False)) == []
+
+
+def test_the_cycle_finder_finds_one():
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_layers_look_one_way(package):
+  allowed = LAYERS[package] | {package}
+  bad = []
+  for mod in MODULES:
+    if mod == package or mod.startswith(package + "."):
+      for name, _, line in _imports(mod):
+        if name.startswith("sexpgpu.") and not any(name == a or name.startswith(a + ".")
+                                                   for a in allowed):
+          bad.append(f"{mod}:{line} imports {name}")
+  assert bad == []
