@@ -1,0 +1,274 @@
+"""`docs/language.md`, generated from the code's tables: forms, loaders, passes, run, std, ops.
+
+Every name the tables hold needs its one-line meaning here; `python -m sexpgpu.tools.langdoc`
+rewrites the page, and tests/test_docs.py fails when a table gained a name without one or the
+page differs from what this module generates.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from sexpgpu.reader import Atom, Keyword, List, Symbol, Vector, read_text
+
+DOC_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "docs", "language.md")
+
+TOP_FORMS = {
+    "require": ('(require "lib/blocks.sx") | (require std/nn)',
+                "load another file once (relative to the requiring file) or a std library file"),
+    "defknob": ('(defknob NAME DEFAULT ["doc"] [:choices [...]] [:min X] [:max Y])',
+                "a named setting, overridable by --set and variants; its type is its default's"),
+    "defvariant": ("(defvariant NAME (KNOB VALUE) ...)", "a named set of knob values (--variant NAME)"),
+    "def": ("(def NAME EXPR)", "a static value computed from knobs"),
+    "defn": ("(defn NAME [PARAMS :kw DEFAULT ...] BODY...)",
+             "a function; keyword parameters with defaults follow the positional ones"),
+    "defparam": ("(defparam NAME SHAPE :init INIT [:dtype f32])",
+                 "a parameter shared by name wherever it is used (tied embeddings)"),
+    "defloader": ("(defloader NAME (KIND ARGS...))", "a data source; the kinds are below"),
+    "defpass": ("(defpass NAME :data L :every N :batches B :metrics [F ...])",
+                "an evaluation pass: each metric a function of the batch returning a scalar"),
+    "defcurriculum": ("(defcurriculum (stage NAME :data L :when STEP :set [(KNOB V) ...]) ...)",
+                      "stages that change the data or knobs that keep every parameter's shape"),
+    "defdiagnostic": ("(defdiagnostic NAME :of (KIND [ARG]) :every N :reduce R)",
+                      "a sampled measurement: grad-norm, param-norm, update-ratio or tap"),
+    "defrun": ("(defrun :loss F :data L :steps N :optimizer (adamw :lr 1e-3) ...)",
+               "the run; exactly one per experiment"),
+}
+
+SPECIAL_FORMS = {
+    "let": ("(let [a E1 [b c] E2] BODY...)", "sequential bindings; a vector destructures"),
+    "if": ("(if C A B)", "C is static: the branch not taken is never built"),
+    "fn": ("(fn [PARAMS] BODY...)", "an anonymous function (closures allowed, no scope)"),
+    "repeat": ("(repeat N F X :remat B :as NAME)",
+               "apply F N times with N stacked parameter sets (a scan); :remat recomputes"),
+    "param": ("(param NAME SHAPE :init INIT :dtype D)", "a trained parameter of the current scope"),
+    "tap": ("(tap NAME X)", "X itself, recorded for a diagnostic that selects NAME"),
+    "get": ("(get BATCH :field) | (get VECTOR I)", "a field of a record batch, or an element"),
+    "or": ("(or A B ...)", "static or"),
+    "and": ("(and A B ...)", "static and"),
+    "not": ("(not A)", "static not"),
+    "do": ("(do E1 ... EN)", "evaluate in order, the last is the value"),
+}
+
+# The keywords of the special forms and top-level forms that take them (checked against
+# the evaluator's source by tests/test_docs.py).
+FORM_KEYWORDS = {
+    "param": ("init", "dtype"),
+    "repeat": ("remat", "as"),
+    "defparam": ("init", "dtype"),
+    "defpass": ("data", "every", "batches", "metrics"),
+    "defdiagnostic": ("every", "of", "reduce"),
+    "stage": ("data", "when", "set"),
+    "defknob": ("choices", "min", "max"),
+}
+
+DEFRUN = {
+    "loss": "the loss function of the batch (a float scalar)",
+    "data": "the training loader",
+    "optimizer": "an optimizer, such as (adamw :lr 1e-3)",
+    "steps": "training steps (required here or by --steps)",
+    "microbatches": "microbatches summed into one optimizer step (default 1)",
+    "seed": "the run's seed, 0 or more (default 0)",
+    "precision": "f32 (default) or bf16",
+    "checkpoint-every": "steps between checkpoints; 0 only at the end (default 0)",
+    "keep": "checkpoints kept (default 3)",
+    "on-nan": "stop (default: E-NUM-001) or skip a step whose loss is not finite",
+}
+
+LOADER_KEYWORDS = {
+    "vocab": "token vocabulary size", "seq": "tokens per record", "batch": "records per microbatch",
+    "seed": "the data's own seed", "branching": "successors per Markov state",
+    "stream": "an independent stream of the same source (0, 1, ...)",
+    "shuffle": "shuffle records (default: true for training, false for passes)",
+    "split": "[FROM TO] fractions of the records, such as [0 0.9]",
+    "digits": "digits per operand", "dtype": "u16 (default) or u32 token width",
+    "fields": "[x y]: the arrays to read", "pack": "concat (default) or pad documents",
+    "stride": "tokens between windows (default seq)", "path": "the file (relative or s3://)",
+    "components": "written positionally: (mix (0.7 LOADER) (0.3 LOADER) :batch B)",
+}
+LOADERS = {
+    "markov": "a random Markov chain of tokens (:tokens); check prints its entropy rate",
+    "copy": "copy a random token sequence (:tokens)",
+    "reverse": "reverse a random token sequence (:tokens)",
+    "sort": "sort a random token sequence (:tokens)",
+    "add": "add two numbers digit by digit (:tokens)",
+    "tokens": "windows of a flat token file, nanoGPT's .bin layout (:tokens)",
+    "bytes": "windows of a file's bytes (:tokens)",
+    "arrays": "rows of the named arrays of an .npz (one field per array)",
+    "mix": "a weighted mixture of other loaders",
+    "text": "text files (or a tokenize cache) through a tokenizer (:tokens)",
+}
+
+OPS = {
+    "+": "(+ A B ...) sum, broadcasting", "-": "(- A B) or (- A) difference",
+    "*": "(* A B ...) product, broadcasting", "/": "(/ A B) quotient; of static ints an int if exact",
+    "pow": "(pow A B)", "neg": "(neg X)", "abs": "(abs X)", "exp": "(exp X)", "log": "(log X)",
+    "sqrt": "(sqrt X)", "rsqrt": "(rsqrt X) 1/sqrt", "square": "(square X)", "tanh": "(tanh X)",
+    "sin": "(sin X)", "cos": "(cos X)",
+    "sigmoid": "(sigmoid X)", "relu": "(relu X)", "gelu": "(gelu X)", "silu": "(silu X)",
+    "max": "(max A B) elementwise", "min": "(min A B) elementwise",
+    "where": "(where C A B)", "cast": "(cast X DTYPE), DTYPE f32 bf16 f16 i32 u32 bool",
+    "<": "(< A B)", "<=": "(<= A B)", ">": "(> A B)", ">=": "(>= A B)", "=": "(= A B)",
+    "!=": "(!= A B)",
+    "sum": "(sum X [AXES] :keep B)", "mean": "(mean X [AXES] :keep B)",
+    "max-of": "(max-of X [AXES] :keep B)", "min-of": "(min-of X [AXES] :keep B)",
+    "logsumexp": "(logsumexp X [AXES] :keep B)", "argmax": "(argmax X AXIS)",
+    "reshape": "(reshape X SHAPE)", "transpose": "(transpose X PERM)",
+    "concat": "(concat [X Y ...] AXIS)", "split": "(split X N AXIS) N equal parts",
+    "slice": "(slice X AXIS START END), END nil to the end", "take": "(take TABLE INDICES) along axis 0",
+    "one-hot": "(one-hot X N)", "dim": "(dim X AXIS) static", "shape": "(shape X) static vector",
+    "rank": "(rank X) static", "expand": "(expand X AXIS)", "squeeze": "(squeeze X AXIS)",
+    "broadcast": "(broadcast X SHAPE)",
+    "matmul": "(matmul A B)", "einsum": '(einsum "spec" A B ...)',
+    "softmax": "(softmax X AXIS)", "log-softmax": "(log-softmax X AXIS)",
+    "causal-mask": "(causal-mask S) future positions filled with -inf",
+    "segment-mask": "(segment-mask SCORES SEGMENTS) -inf between different packed documents",
+    "dropout": "(dropout X RATE) the run's rng; identity in passes",
+    "cross-entropy": "(cross-entropy LOGITS TARGETS :mask M) mean, f32",
+    "sdpa": "(sdpa Q K V :causal B :scale S) attention",
+    "zeros": "(zeros SHAPE :dtype D); as :init, zeros",
+    "ones": "(ones SHAPE :dtype D); as :init, ones",
+    "full": "(full SHAPE V :dtype D)", "iota": "(iota N)",
+    "normal": "(normal STD) initializer", "truncated-normal": "(truncated-normal STD) initializer",
+    "uniform": "(uniform LIMIT) initializer", "constant": "(constant V) initializer or learning rate",
+    "fan-in": "(fan-in SCALE) initializer: normal, std SCALE/sqrt(fan-in)",
+    "sgd": "optimizer", "momentum": "optimizer", "adam": "optimizer", "adamw": "optimizer",
+    "lion": "optimizer", "adafactor": "optimizer",
+    "warmup-cosine": "learning-rate schedule", "warmup-linear": "learning-rate schedule",
+}
+
+STD = {
+    "dense": "x · w (+ b): a linear layer to `out` features; :scale scales the init",
+    "rmsnorm": "RMS normalization over the last axis, with a learned scale",
+    "layernorm": "layer normalization over the last axis, learned scale and bias",
+    "mlp": "dense → act → dense; :hidden defaults to 4 × width",
+    "attention": "multi-head self-attention written with einsum (the sdpa pattern's target);"
+                 " the width must divide by :heads",
+    "rope": "rotary position embedding over the last axis",
+    "block": "a pre-norm transformer block: attention and mlp with residuals",
+    "transformer-lm": "token embedding, :layers blocks (a repeat), norm, logits over :vocab",
+    "lm-inputs": "tokens without the last position",
+    "lm-targets": "tokens without the first position",
+    "next-token-loss": "cross-entropy of logits against the next tokens",
+    "accuracy": "the fraction of argmax predictions equal to the targets",
+    "mlp-classifier": "an MLP from features to :classes logits",
+}
+
+
+def _std_functions() -> list[tuple[str, str, list[str], list[tuple[str, str]]]]:
+  """(file, name, positional params, [(keyword, default)]) of each std defn, in file order."""
+  from sexpgpu.lang.program import STD_DIR
+  out = []
+  for fname in sorted(os.listdir(STD_DIR)):
+    if not fname.endswith(".sx"):
+      continue
+    with open(os.path.join(STD_DIR, fname), encoding="utf-8") as f:
+      forms = read_text(f.read(), f"std/{fname}")
+    for form in forms:
+      items = form.items if isinstance(form, List) else ()
+      if len(items) > 2 and isinstance(items[0], Atom) and items[0].value == Symbol("defn") \
+          and isinstance(items[2], Vector):
+        pos, kws, params = [], [], list(items[2].items)
+        i = 0
+        while i < len(params):
+          p = params[i]
+          if isinstance(p, Atom) and isinstance(p.value, Keyword):
+            kws.append((str(p.value), str(params[i + 1]) if i + 1 < len(params) else "?"))
+            i += 2
+          else:
+            pos.append(str(p))
+            i += 1
+        out.append((f"std/{fname}", str(items[1].value), pos, kws))
+  return out
+
+
+def _table(header: tuple[str, ...], rows) -> list[str]:
+  lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+  lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+  return lines
+
+
+def generate() -> str:
+  """The text of docs/language.md from the code's tables and the meanings above.
+
+  Raises:
+    KeyError: a table names something without a meaning here (add it above).
+  """
+  from sexpgpu.data import KINDS
+  from sexpgpu.front.experiment import LOADER_KINDS
+  from sexpgpu.front.prims import BUILTINS, OPTIMIZERS, SCHEDULES
+  from sexpgpu.lang.program import TOP_FORMS as CODE_TOP_FORMS
+  from sexpgpu.lang.select import RUN_KNOBS
+  from sexpgpu.front.build import SPECIAL_FORMS as CODE_SPECIAL
+  out = ["# The .sx language: reference", "",
+         "Generated by `python -m sexpgpu.tools.langdoc` from the code's tables; "
+         "tests/test_docs.py keeps it in step. The design is in the spec's 10-language.md "
+         "and 20-experiment.md; errors print a code, the place and a fix.", "",
+         "## Reading", "",
+         "`; comment`, `#;` skips the next form, `(list)`, `[vector]`, `\"string\\n\"`, "
+         "`:keyword`, `symbol` (letters, digits, `-_+*/<>=!?.%`), integers (64-bit, `1_000`), "
+         "finite floats (`3.5e-4`), `true false nil`. Files are UTF-8 (a leading byte-order "
+         "mark is skipped); forms nest at most 1000 deep. Maps `{...}` do not exist: "
+         "keyword arguments are written `:key value`.", "",
+         "## Top-level forms", ""]
+  out += _table(("form", "written", "meaning"),
+                [(f"`{n}`", f"`{TOP_FORMS[n][0]}`", TOP_FORMS[n][1]) for n in CODE_TOP_FORMS])
+  out += ["", "## Special forms", ""]
+  out += _table(("form", "written", "meaning"),
+                [(f"`{n}`", f"`{SPECIAL_FORMS[n][0]}`", SPECIAL_FORMS[n][1]) for n in CODE_SPECIAL])
+  out += ["", "Keywords of forms:", ""]
+  out += _table(("form", "keywords"), [(f"`{n}`", " ".join(f"`:{k}`" for k in ks))
+                                       for n, ks in FORM_KEYWORDS.items()])
+  out += ["", "## defrun", "", "`:loss`, `:data` and `:optimizer`, and the run's own knobs "
+          "(each also a `--set` knob; `:steps` may name a defknob):", ""]
+  keys = ("loss", "data", "optimizer") + tuple(RUN_KNOBS)
+  out += _table(("keyword", "meaning"), [(f"`:{k}`", DEFRUN[k]) for k in keys])
+  out += ["", "## Loaders", "", "`(defloader NAME (KIND [\"path\"] :key value ...))`; the "
+          "file kinds take the path first, relative to the experiment file or an s3:// URI.", ""]
+  rows = []
+  for kind, cls in KINDS.items():
+    table = cls.arg_table
+    allowed = LOADER_KINDS.get(kind, ())
+    kws = list(dict.fromkeys([k for k in table.required if k != "path"] + list(allowed)
+                             + sorted(table.optional)))
+    req = set(table.required)
+    rows.append((f"`{kind}`", LOADERS[kind],
+                 " ".join(f"`:{k}`" + ("" if k in req else "?") for k in kws)))
+  out += _table(("kind", "records", "keywords (? optional)"), rows)
+  used = sorted({k for cls in KINDS.values() for k in list(cls.arg_table.required)
+                 + list(cls.arg_table.optional)} | {k for ks in LOADER_KINDS.values() for k in ks})
+  out += ["", "Loader keywords:", ""]
+  out += _table(("keyword", "meaning"), [(f"`:{k}`", LOADER_KEYWORDS[k]) for k in used])
+  out += ["", "## Optimizers and schedules", ""]
+  out += _table(("optimizer", "keywords"), [(f"`{n}`", " ".join(f"`:{k}`" for k in ks))
+                                            for n, ks in OPTIMIZERS.items()])
+  out += [""]
+  out += _table(("schedule (as `:lr`)", "keywords"),
+                [(f"`{n}`", " ".join(f"`:{k}`" for k in ks)) for n, ks in SCHEDULES.items()
+                 if n in BUILTINS])
+  out += ["", "## The standard library", "", "`(require std/nn)`, `(require std/lm)`:", ""]
+  out += _table(("function", "file", "parameters", "meaning"),
+                [(f"`{n}`", f, " ".join(pos + [f":{k} {d}" for k, d in kws]), STD[n])
+                 for f, n, pos, kws in _std_functions()])
+  out += ["", "## Operations", ""]
+  out += _table(("op", "written"), [(f"`{n}`", OPS[n]) for n in sorted(BUILTINS)])
+  return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Writes docs/language.md (or checks it with --check: exit 1 when it differs)."""
+  argv = sys.argv[1:] if argv is None else argv
+  text = generate()
+  if "--check" in argv:
+    with open(DOC_PATH, encoding="utf-8") as f:
+      return 0 if f.read() == text else 1
+  os.makedirs(os.path.dirname(DOC_PATH), exist_ok=True)
+  with open(DOC_PATH, "w", encoding="utf-8") as f:
+    f.write(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
