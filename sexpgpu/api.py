@@ -52,10 +52,10 @@ class Experiment:
   def init(self, seed: int | None = None) -> State:
     """Initial parameters and optimizer state (seed defaults to the run's)."""
     from sexpgpu.lower.init import init_params
-    from sexpgpu.lower.optim import make_optimizer
-    exp = self._c.exp
-    params = init_params(int(exp.run["seed"] if seed is None else seed), self._c.params)
-    opt, _ = make_optimizer(exp.optimizer, int(exp.run["steps"]))
+    from sexpgpu.run.training import build
+    training = build(self._c)
+    params = init_params(training.seed if seed is None else int(seed), self._c.params)
+    opt, _ = training.optimizer()
     return State(params, opt.init(params), 0)
 
   def call(self, name: str, params: dict, *args, precision: str | None = None):
@@ -95,8 +95,19 @@ class Experiment:
 
   def run(self, steps: int | None = None, device: str = "cpu", metrics: str | None = None,
           status: str | None = None, checkpoint_dir: str | None = None,
-          resume: str | None = None, quiet: bool = True):
-    """Trains in this process and returns the Summary (`.eval`, `.train_loss`, ...)."""
+          resume: str | None = None, quiet: bool = True, pipeline: bool = True,
+          profile: str | None = None, profile_dir: str | None = None):
+    """Trains in this process and returns the Summary (`.eval`, `.train_loss`, ...).
+
+    Args:
+      steps: replaces defrun :steps.
+      device, metrics, status, checkpoint_dir, resume: as `sexpgpu run`'s flags.
+      quiet: no lines on standard error.
+      pipeline: draw batches ahead in a thread and read each step's metrics one step late
+        (False: draw, step and read in turn; the same numbers, bitwise).
+      profile: `A..B`, the steps to trace with jax.profiler (`--profile`).
+      profile_dir: where the trace goes (`--profile-dir`).
+    """
     from sexpgpu.run.compile import compile_file
     from sexpgpu.run.loop import RunOptions, run_compiled
     c = self._c
@@ -105,8 +116,11 @@ class Experiment:
                        [(k, _text(v)) for k, v in c.selection.sets], {"steps": steps},
                        ",".join(c.diagnostics) or None, program=c.program)
     from sexpgpu.run.env import stacking_from_env
+    from sexpgpu.run.profile import parse_range
+    span = parse_range(profile, "profile") if profile is not None else None
     return run_compiled(c, RunOptions(c.program.path, device, metrics, status, checkpoint_dir,
-                                      resume, stacking_from_env(), False, quiet))
+                                      resume, stacking_from_env(), False, quiet, span,
+                                      profile_dir, pipeline))
 
 
 def _text(v: Any) -> str:

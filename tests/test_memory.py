@@ -13,7 +13,9 @@ import pytest
 
 from conftest import ROOT
 from sexpgpu.devices import memory
-from sexpgpu.devices.memory import ChoiceCache, choose_stacking, cost_model, plan
+from sexpgpu.devices.memory import plan
+from sexpgpu.run.plan import ChoiceCache, choose_stacking, cost_model
+from sexpgpu.run import plan as stacking
 from sexpgpu.errors import SxError
 
 GPT2 = os.path.join(ROOT, "configs", "gpt2-small.sx")
@@ -21,24 +23,17 @@ TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
 
 # Builds the train step of a config for abstract inputs only, as the run loop will.
 _ABSTRACT_STEP = """
-import jax, jax.numpy as jnp
+import jax
 from sexpgpu.run.compile import compile_file
-from sexpgpu.lower.init import init_params
-from sexpgpu.lower.optim import make_optimizer
-from sexpgpu.lower.step import TrainStep, init_state
-from sexpgpu.ir.shapes import np_dtype
+from sexpgpu.run.training import build
 
 def abstract_step(path, variant, stacking=None):
   c = compile_file(path, variant)
-  run = c.exp.run
-  k = int(run["microbatches"])
-  opt, sched = make_optimizer(c.stages[0].exp.optimizer, int(run["steps"]))
-  st = TrainStep(c.stages[0].graph, opt, sched, run["precision"], k, stacking or k,
-                 int(run["seed"]), run["on-nan"])
-  state = jax.eval_shape(lambda: init_state(init_params(int(run["seed"]), c.params), opt))
-  batches = {f: jax.ShapeDtypeStruct((k,) + sh, jnp.dtype(np_dtype(dt)))
-             for f, (dt, sh) in c.fields[c.stages[0].data].items()}
-  return c, st, state, batches
+  training = build(c)
+  k = training.k
+  state = training.abstract_state()
+  batches = training.abstract_batches(c.stages[0].data, (k,))
+  return c, training.step(0, stacking or k), state, batches
 """
 exec(_ABSTRACT_STEP)  # defines abstract_step here too
 
@@ -151,6 +146,8 @@ gc.collect()
 base = status("VmRSS:")
 with open("/proc/self/clear_refs", "w") as f:
   f.write("5")  # resets VmHWM to the current RSS
+from sexpgpu.lower.init import init_params
+from sexpgpu.lower.step import init_state
 s = init_state(init_params(int(c.exp.run["seed"]), c.params), st.optimizer)
 for h in host:
   s, m = st(s, jax.device_put(h))
@@ -201,7 +198,7 @@ def test_cost_model_choice():
 
 def test_close_predictions_are_measured():
   pred = {4: 0.1305, 2: 0.1315, 1: 0.1336}
-  assert memory.to_measure(ALL, pred) == [4, 2, 1]
+  assert stacking.to_measure(ALL, pred) == [4, 2, 1]
   d, how, _ = choose_stacking(4, ALL, pred, None, None, None)
   assert how == "measure"
   d, how, text = choose_stacking(4, ALL, pred, {4: 0.1302, 2: 0.1352, 1: 0.1289}, None, None)
@@ -263,8 +260,65 @@ def test_cost_model_multiplies_the_scan_body():
 
 
 def test_measure_rates_on_cpu():
-  r = memory.measure_rates(jax.devices("cpu")[0], size=128)
-  assert r["flops"] > 0 and r["bytes"] > 0 and r["call"] > 0
+  r = stacking.measure_rates(jax.devices("cpu")[0], size=128)
+  assert r["flops"] > 0 and r["bytes"] > 0 and r["call"] >= 0 and r["buffer"] >= 0
+  assert r["call"] + r["buffer"] > 0
+
+
+def test_rates_are_measured_once_per_device_kind_and_remembered(monkeypatch, tmp_path):
+  dev = jax.devices("cpu")[0]
+  calls = []
+  fake = {"flops": 1e9, "bytes": 1e9, "call": 1e-5, "buffer": 1e-6}
+  monkeypatch.setattr(stacking, "measure_rates", lambda d: calls.append(d) or dict(fake))
+  monkeypatch.setattr(stacking, "_RATES", {})
+  assert stacking.device_rates(dev, str(tmp_path)) == fake
+  monkeypatch.setattr(stacking, "_RATES", {})  # a new process: read back, not measured
+  assert stacking.device_rates(dev, str(tmp_path)) == fake and len(calls) == 1
+  saved = json.loads((tmp_path / "rates.json").read_text())
+  (entry,) = saved.values()
+  assert entry["model"] == stacking.COST_MODEL
+  entry["model"] = stacking.COST_MODEL - 1  # rates an older model measured are measured again
+  (tmp_path / "rates.json").write_text(json.dumps({stacking.device_name(dev): entry}))
+  monkeypatch.setattr(stacking, "_RATES", {})
+  stacking.device_rates(dev, str(tmp_path))
+  assert len(calls) == 2
+
+
+def test_a_choice_of_an_older_cost_model_is_made_again(tmp_path):
+  path = tmp_path / "choices.json"
+  ChoiceCache(str(path)).put("abc", "cpu:cpu", 1)
+  data = json.loads(path.read_text())
+  assert data["abc|cpu:cpu"]["model"] == stacking.COST_MODEL
+  data["abc|cpu:cpu"]["model"] = stacking.COST_MODEL - 1
+  path.write_text(json.dumps(data))
+  assert ChoiceCache(str(path)).get("abc", "cpu:cpu") is None
+  del data["abc|cpu:cpu"]["model"]  # written before the model had a version
+  path.write_text(json.dumps(data))
+  assert ChoiceCache(str(path)).get("abc", "cpu:cpu") is None
+
+
+def test_a_calls_fixed_cost_counts_its_buffers():
+  def f(xs):
+    return [x + 1 for x in xs]
+  few = jax.jit(f).lower([jax.ShapeDtypeStruct((4,), jnp.float32)] * 2).compile()
+  many = jax.jit(f).lower([jax.ShapeDtypeStruct((4,), jnp.float32)] * 40).compile()
+  assert stacking.buffers(few) == 4 and stacking.buffers(many) == 80
+  rates = {"flops": 1e18, "bytes": 1e18, "call": 1e-5, "buffer": 1e-6}
+  assert stacking.call_seconds(few, rates) == pytest.approx(1e-5 + 4e-6)
+  assert cost_model(many, 1, rates) == pytest.approx(1e-5 + 80e-6, rel=1e-3)
+
+
+def test_the_tiny_model_is_fused_by_the_cost_model():
+  """Where a step is mostly its calls' fixed cost, one fused call beats K calls."""
+  c, _, state, batches = abstract_step(TINY, "smoke")
+  from sexpgpu.run.training import build
+  training = build(c)
+  k = training.k
+  execs = {d: training.step(0, d).executables(state, batches) for d in stacking.divisors(k)}
+  update = next(ex["update"] for ex in execs.values() if "update" in ex)
+  rates = stacking.measure_rates(jax.devices("cpu")[0])
+  preds = {d: stacking.predict(execs[d], d, k, rates, update) for d in execs}
+  assert min(preds, key=preds.get) == k, preds
 
 
 def test_peak_line():
@@ -321,7 +375,9 @@ def _copied_state():
   c, st, state, batches = abstract_step(TINY, None)
   hlo = st.lowered(state, batches).compile().as_text()
   entry = hlo[hlo.index("\nENTRY"):]
-  params = set(re.findall(r"%(\S+) = \S+ parameter\(\d+\)", entry))
+  # scalars (the step and skipped-step counters) are 4 bytes a copy: only arrays count
+  params = {name for name, ty in re.findall(r"%(\S+) = (\S+) parameter\(\d+\)", entry)
+            if not ty.endswith("[]")}
   return [p for p in re.findall(r" copy\(%([^)]+)\)", entry) if p in params]
 
 

@@ -20,9 +20,9 @@ def _annotations(path, name):
 
 
 def test_64mib_refuses_gpt2_smoke_before_any_initializer(monkeypatch, tmp_path):
-  import sexpgpu.run.session as session
+  import sexpgpu.run.training as training
   concrete = []
-  real = session.init_params
+  real = training.init_params
 
   def spy(seed, params):
     out = real(seed, params)
@@ -30,7 +30,7 @@ def test_64mib_refuses_gpt2_smoke_before_any_initializer(monkeypatch, tmp_path):
       concrete.append(True)
     return out
 
-  monkeypatch.setattr(session, "init_params", spy)
+  monkeypatch.setattr(training, "init_params", spy)
   monkeypatch.setenv("SEXPGPU_MEMORY", "64MiB")
   exp = sexpgpu.compile(GPT, variant="smoke")
   status = tmp_path / "s.json"

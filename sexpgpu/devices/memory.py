@@ -1,29 +1,20 @@
-"""The memory plan from compiled executables, before any initializer runs; stacking's choice.
+"""The memory plan from compiled executables, before any initializer runs.
 
 The plan reads each executable's `memory_analysis()` (arguments, outputs,
 temporaries, aliases), compiled for abstract inputs only, so nothing is
-allocated to make it. Stacking (how many microbatches one call runs) is chosen
-among the degrees that fit, as the seed's Devices page says.
+allocated to make it. Which stacking degree among those that fit is chosen in
+`sexpgpu.run.plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import tempfile
-import time
 from typing import Any, Mapping, Sequence
 
 from sexpgpu.errors import SxError
 
-GiB = 1 << 30
 RESERVE = 1 << 30  # kept free for the libraries (cuBLAS, cuDNN workspaces)
-CLOSE = 0.05  # predictions within 5% are measured instead
-# A measurement runs each close degree MEASURE_RUNS times (the first compiles): when
-# that would take longer than MEASURE_BUDGET_S by the model, the model decides.
-MEASURE_RUNS = 4
-MEASURE_BUDGET_S = 60.0
 
 
 def human(n: float) -> str:
@@ -255,198 +246,3 @@ def peak_line(peak: int, plan: Plan) -> str:
   """`memory: peak 2.8 GiB of 2.7 GiB planned (+1.8%)`, the run's last memory line."""
   pct = (peak - plan.total) / max(plan.total, 1) * 100
   return f"memory: peak {human(peak)} of {human(plan.total)} planned ({pct:+.1f}%)"
-
-
-# --- stacking -----------------------------------------------------------------
-
-def divisors(k: int) -> list[int]:
-  """The stacking degrees of k microbatches per rank, descending."""
-  return [d for d in range(k, 0, -1) if k % d == 0]
-
-
-def to_measure(fits: Mapping[int, bool], predicted: Mapping[int, float]) -> list[int]:
-  """The fitting degrees whose prediction is within 5% of the best one, descending."""
-  cands = [d for d, ok in fits.items() if ok and d in predicted]
-  if not cands:
-    return []
-  best = min(predicted[d] for d in cands)
-  return sorted((d for d in cands if predicted[d] <= best * (1 + CLOSE)), reverse=True)
-
-
-def _ms(s: float) -> str:
-  return f"{s * 1e3:.1f} ms"
-
-
-def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mapping[int, float],
-                    measured: Mapping[int, float] | None, remembered: int | None,
-                    fixed: int | None, can_measure: bool = True,
-                    why_not: str = "no room to measure") -> tuple[int, str, str]:
-  """Chooses how many microbatches one call of the training graph runs.
-
-  The rules, in order: SEXPGPU_STACKING fixes it; the only degree that fits;
-  a measurement an earlier run of this graph made on this device; the cost
-  model, when its best prediction is more than 5% ahead of the next; else a
-  measurement of the close ones at the first step (when a second copy of the
-  state fits: `can_measure`; otherwise the model decides).
-
-  Args:
-    k_per_rank: microbatches per rank per step.
-    fits: degree → whether the plan at that degree fits.
-    predicted: degree → the cost model's seconds per step.
-    measured: degree → measured seconds per step at the first step, or None.
-    remembered: the degree choices.json holds for this graph and device, or None.
-    fixed: SEXPGPU_STACKING's degree, or None for auto.
-    can_measure: whether a measurement is possible (a second state copy fits, and
-      one node: several nodes would have to time their steps in lockstep). Close
-      degrees whose measurement would outlast MEASURE_BUDGET_S are not measured
-      either: a slow step (a large model on the CPU) is left to the model.
-    why_not: why it is not, for the report line.
-
-  Returns:
-    (degree, how, text): how is one of "fixed", "only", "remembered", "model",
-    "measured", "measure" (the caller must time `to_measure(...)` and call
-    again with `measured`) or "none" (nothing fits: degree 0; raise refuse()).
-    text is the stacking report line's value.
-
-  Raises:
-    SxError: E-ENV-001 when `fixed` does not divide k_per_rank.
-  """
-  if fixed is not None:
-    if fixed < 1 or k_per_rank % fixed:
-      raise SxError("E-ENV-001", f"SEXPGPU_STACKING={fixed} does not divide the {k_per_rank} "
-                    "microbatches per rank", where="SEXPGPU_STACKING",
-                    fix="use a divisor of :microbatches per rank, or auto")
-    note = "" if fits.get(fixed, True) else ", beyond the plan"
-    return fixed, "fixed", f"{fixed}: SEXPGPU_STACKING{note}"
-  cands = [d for d in divisors(k_per_rank) if fits.get(d, False)]
-  if not cands:
-    return 0, "none", "no degree fits"
-  if len(cands) == 1:
-    return cands[0], "only", f"{cands[0]}: the only one that fits"
-  if remembered in cands:
-    return remembered, "remembered", (f"{remembered}: measured by an earlier run of this graph on "
-                                      "this device (choices.json)")
-  preds = {d: predicted[d] for d in cands if d in predicted}
-  if not preds:
-    return cands[0], "model", f"{cands[0]}: the largest that fits (no prediction)"
-  close = to_measure({d: True for d in preds}, preds)
-  listing = "; ".join(f"{d} {_ms(preds[d])}" for d in sorted(preds, reverse=True))
-  best = min(preds, key=lambda d: (preds[d], -d))
-  if len(close) < 2:
-    return best, "model", f"{best}: the cost model ({listing})"
-  cost = MEASURE_RUNS * sum(preds[d] for d in close)
-  if can_measure and cost > MEASURE_BUDGET_S:
-    can_measure, why_not = False, f"measuring would take about {cost:.0f} s"
-  if not can_measure:
-    return best, "model", f"{best}: the cost model, within 5% but {why_not} ({listing})"
-  if not measured or any(d not in measured for d in close):
-    return best, "measure", f"{best}: to be measured at the first step ({listing})"
-  won = min(close, key=lambda d: (measured[d], -d))  # the fastest, as the seed's example
-  detail = "; ".join(f"{d} {_ms(measured[d])}, model {_ms(preds[d])}" for d in close)
-  return won, "measured", (f"{won}: measured at the first step, the model within 5% could not "
-                           f"separate them ({detail})")
-
-
-def cost_model(compiled, trips: int, device_rates: Mapping[str, float],
-               outside: Any = None) -> float:
-  """Predicted seconds of one call, from cost_analysis, the scan body times its trips.
-
-  cost_analysis counts a lax.scan body once: the cost outside the loop (the
-  `outside` executable's, e.g. the optimizer update, or none) is subtracted,
-  the rest multiplied by `trips`, and the two added back.
-
-  Args:
-    compiled: a jax.stages.Compiled (or its cost_analysis dict).
-    trips: the scan's trip count (the stacking degree).
-    device_rates: {"flops": flop/s, "bytes": byte/s, "call": seconds per call}.
-    outside: the cost (Compiled or dict) of the part outside the loop, or None.
-
-  Returns:
-    Seconds: call + max(flops / flop rate, bytes / byte rate) (a roofline).
-  """
-  def cost(c) -> tuple[float, float]:
-    if c is None:
-      return 0.0, 0.0
-    d = c if isinstance(c, Mapping) else c.cost_analysis()
-    if isinstance(d, (list, tuple)):
-      d = d[0] if d else {}
-    return float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0))
-
-  f_all, b_all = cost(compiled)
-  f_out, b_out = cost(outside)
-  f_out, b_out = min(f_out, f_all), min(b_out, b_all)
-  flops = f_out + trips * (f_all - f_out)
-  nbytes = b_out + trips * (b_all - b_out)
-  return float(device_rates.get("call", 0.0)) + max(flops / device_rates["flops"],
-                                                    nbytes / device_rates["bytes"])
-
-
-def measure_rates(device, size: int | None = None) -> dict[str, float]:
-  """The device's matmul flop/s, copy byte/s and per-call seconds, timed in ~a second."""
-  import jax
-  import jax.numpy as jnp
-  n = size or (4096 if device.platform != "cpu" else 512)
-  dt = jnp.bfloat16 if device.platform != "cpu" else jnp.float32
-  with jax.default_device(device):
-    a = jnp.ones((n, n), dt)
-    v = jnp.ones((n * n * 4,), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
-    cp = jax.jit(lambda x: x * 2.0)
-    tiny = jax.jit(lambda x: x + 1)
-    s = jnp.float32(0)
-
-    def best(fn, x, reps=5):
-      fn(x).block_until_ready()
-      times = []
-      for _ in range(reps):
-        t = time.perf_counter()
-        fn(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-      return min(times)
-
-    t_mm, t_cp, t_call = best(mm, a), best(cp, v), best(tiny, s, 20)
-  return {"flops": 2 * n ** 3 / max(t_mm, 1e-9), "bytes": 2 * v.nbytes / max(t_cp, 1e-9),
-          "call": t_call}
-
-
-class ChoiceCache:
-  """`<cache>/choices.json`: measured stacking choices by (graph fingerprint, device)."""
-
-  def __init__(self, path: str):
-    """Args: path: the JSON file (usually os.path.join(cache_dir(), "choices.json"))."""
-    self.path = path
-
-  @staticmethod
-  def key(fingerprint: str, device: str) -> str:
-    """The entry's key: `<graph fingerprint>|<device kind or name>`."""
-    return f"{fingerprint}|{device}"
-
-  def _load(self) -> dict:
-    try:
-      with open(self.path, encoding="utf-8") as f:
-        data = json.load(f)
-      return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-      return {}
-
-  def get(self, fingerprint: str, device: str) -> int | None:
-    """The remembered degree, or None (also when the file is missing or unreadable)."""
-    entry = self._load().get(self.key(fingerprint, device))
-    try:
-      return int(entry["degree"]) if entry else None
-    except (KeyError, TypeError, ValueError):
-      return None
-
-  def put(self, fingerprint: str, device: str, degree: int,
-          measured: Mapping[int, float] | None = None) -> None:
-    """Remembers a measured choice; written beside the file then renamed (atomic)."""
-    data = self._load()
-    data[self.key(fingerprint, device)] = {
-        "degree": int(degree), "measured_s": {str(k): v for k, v in (measured or {}).items()},
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    folder = os.path.dirname(os.path.abspath(self.path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".choices-", dir=folder)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, self.path)

@@ -33,8 +33,10 @@ def node_flops(node: Node) -> int:
   if node.op == "einsum":
     return _einsum_flops(node.attr("spec"), [i.shape for i in node.inputs])
   if node.op == "sdpa":
-    q, k, v = node.inputs
-    return 2 * 2 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    q, k = node.inputs[:2]
+    full = 2 * 2 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    # A causal mask leaves half the products to do, and the field counts half (PaLM's MFU).
+    return full // 2 if node.attr("causal") else full
   return 0
 
 
@@ -77,19 +79,34 @@ def forward_bytes(graph: Graph) -> int:
   return _value_bytes(list(graph.outputs.values()))
 
 
-# bf16 dense peaks of common cards, flop/s (f32 runs use the TF32 tensor-core peak)
-GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "L40S": 362e12,
-             "A10": 125e12, "RTX 4090": 165e12}
+# Dense bf16 peaks, flop/s, by the exact name the device reports (jax's `device_kind`);
+# f32 runs count the TF32 tensor-core peak, half of it. A name is matched whole, never
+# as a substring: "NVIDIA L4" is not "NVIDIA L40S".
+GPU_PEAKS = {
+    "NVIDIA B200": 2250e12,
+    "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12,
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12,
+    "NVIDIA A10": 125e12, "NVIDIA A10G": 70e12,
+    "NVIDIA GeForce RTX 4090": 165e12, "NVIDIA GeForce RTX 3090": 71e12,
+}
+
+
+def gpu_peak(kind: str, precision: str) -> float | None:
+  """The peak of a GPU by its exact reported name, or None for a card not in the table."""
+  peak = GPU_PEAKS.get(" ".join(kind.split()))
+  if peak is None:
+    return None
+  return peak if precision == "bf16" else peak / 2
 
 
 def device_peak(device, precision: str, cache: str | None = None) -> float | None:
-  """The device's peak flop/s: a table for GPUs, a measured matmul rate for the CPU."""
-  kind = getattr(device, "device_kind", "")
-  if device.platform == "gpu" or device.platform == "cuda":
-    for name, peak in GPU_PEAKS.items():
-      if name in kind:
-        return peak if precision == "bf16" else peak / 2
-    return None
+  """The device's peak flop/s: the table for GPUs, a measured matmul rate for the CPU."""
+  if device.platform in ("gpu", "cuda"):
+    return gpu_peak(getattr(device, "device_kind", ""), precision)
   return _cpu_peak(cache)
 
 

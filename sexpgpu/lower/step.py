@@ -136,6 +136,12 @@ class TrainStep:
     updates, new_opt = self.optimizer.update(grads, opt, params)
     new_params = optax.apply_updates(params, updates)
     ok = _finite(loss) & _finite(optax.tree.norm(grads))
+    halted = jnp.bool_(False)
+    if self.on_nan == "stop":
+      # The loop reads a step's numbers one step late, so the step after a non-finite one
+      # may already be running when the loop stops: under `:on-nan stop` it changes nothing.
+      halted = state["skipped"] > 0
+      ok = ok & ~halted
     # a non-finite step keeps the old state (the select fuses into the update)
     keep = lambda flag, new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b),
                                                          new, old)
@@ -158,8 +164,8 @@ class TrainStep:
     # the parameters' and the state's updates read the old moments: a second optimizer
     # state's worth of memory, and its copying time.
     new_state["opt"] = keep(_once_computed(ok, new_state["params"]), new_opt, opt)
-    new_state["step"] = state["step"] + 1
-    new_state["skipped"] = state["skipped"] + jnp.where(ok, 0, 1).astype(jnp.int32)
+    new_state["step"] = state["step"] + jnp.where(halted, 0, 1).astype(state["step"].dtype)
+    new_state["skipped"] = state["skipped"] + jnp.where(ok | halted, 0, 1).astype(jnp.int32)
     # one f32 vector, so reading a step's numbers is a single transfer
     return new_state, jnp.stack([jnp.asarray(metrics[n], jnp.float32)
                                  for n in self.metric_names])

@@ -48,41 +48,31 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   Nothing is allocated: the step is lowered and compiled for abstract values only.
   """
   import jax
-  import jax.numpy as jnp
 
   from sexpgpu.ir.ops import LowerCtx
-  from sexpgpu.ir.shapes import np_dtype
-  from sexpgpu.lower.init import init_params
   from sexpgpu.lower.interp import run_graph
-  from sexpgpu.lower.optim import make_optimizer
-  from sexpgpu.lower.step import TrainStep, init_state
+  from sexpgpu.run import plan
+  from sexpgpu.run.compile import cache_dir
   from sexpgpu.run.devices import microbatches_divide, open_devices, parse_device_list
-  graph = c.stages[0].graph
+  from sexpgpu.run.training import build
   run = c.exp.run
   k = int(run["microbatches"])
-  batch = {f: jax.ShapeDtypeStruct(sh, np_dtype(dt)) for f, (dt, sh) in
-           c.fields[c.stages[0].data].items()}
-  params = jax.eval_shape(lambda: init_params(int(run["seed"]), c.params))
   if what == "jaxpr":
+    graph = c.stages[0].graph
+    abstract = build(c)
+    params = abstract.abstract_state()["params"]
+    batch = abstract.abstract_batches(c.stages[0].data)
     ctx = LowerCtx(str(run["precision"]))
     return str(jax.make_jaxpr(lambda p, b: run_graph(graph, p, b, ctx)["out"])(params, batch)) + "\n"
   place = open_devices(device_kind, parse_device_list(os.environ.get("SEXPGPU_DEVICES")))
   microbatches_divide(k, place.ranks)
-  opt, sched = make_optimizer(c.exp.optimizer, int(run["steps"]))
-  state = jax.eval_shape(lambda: init_state(init_params(int(run["seed"]), c.params), opt))
-  batches = {f: jax.ShapeDtypeStruct((k,) + b.shape, b.dtype) for f, b in batch.items()}
-
-  def make_step(degree):
-    return TrainStep(graph, opt, sched, str(run["precision"]), k, degree, int(run["seed"]),
-                     str(run["on-nan"]), (), place.mesh, platform=place.first.platform)
-
+  # The run's own wiring: the same steps, pass steps and state that `run` plans.
+  training = build(c, place)
+  state = training.abstract_state()
+  batches = training.abstract_batches(c.stages[0].data, (k,))
   if what == "hlo":
-    return make_step(k).lowered(state, batches).as_text() + "\n"
-  from sexpgpu.run import plan
-  from sexpgpu.run.compile import cache_dir
-  choice = plan.choose(make_step, k // place.ranks, None, state, batches, {}, {}, place.first,
-                       False, c.graph_fingerprint, cache_dir(), c.selection.knobs,
-                       ranks=place.ranks)
+    return training.step(0, k // place.ranks).lowered(state, batches).as_text() + "\n"
+  choice = plan.choose(training, 0, None, state, batches, place.first, False, cache_dir())
   ranks = f" x{place.ranks}" if place.ranks > 1 else ""
   lines = [f"plan: {c.slug} on {place.first.platform}{ranks}",
            f"  memory      {choice.plan.text()} (peak in {choice.plan.peak_at})"]

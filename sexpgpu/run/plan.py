@@ -1,11 +1,20 @@
-"""Before the first initializer: compile every step abstractly, plan memory, choose stacking."""
+"""Before the first initializer: compile every step abstractly, plan memory, choose stacking.
+
+Stacking (how many microbatches one call of the training graph runs) is chosen
+here and nowhere else: the rules of the seed's Devices page (`choose_stacking`),
+the cost model they consult (`cost_model`, with the device's rates measured once
+per device kind and remembered), the choices remembered in `choices.json`, and
+the measurement of close degrees at the first step (`measure`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import tempfile
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +22,302 @@ import jax.numpy as jnp
 from sexpgpu.devices import memory as mem
 from sexpgpu.errors import SxError
 
+# The cost model's version, kept with every remembered rate and choice: a choice an
+# older model made is made again. 2: a call's fixed cost counts its argument and
+# result buffers (measured), and a fused step's update is counted once, not per trip.
+COST_MODEL = 2
+CLOSE = 0.05  # predictions within 5% are measured instead
+# A measurement runs each close degree MEASURE_RUNS times (the first compiles): when
+# that would take longer than MEASURE_BUDGET_S by the model, the model decides.
+MEASURE_RUNS = 4
+MEASURE_BUDGET_S = 60.0
+
 _RATES: dict[str, dict] = {}
 
+
+# --- the rules ------------------------------------------------------------------------------
+
+def divisors(k: int) -> list[int]:
+  """The stacking degrees of k microbatches per rank, descending."""
+  return [d for d in range(k, 0, -1) if k % d == 0]
+
+
+def to_measure(fits: Mapping[int, bool], predicted: Mapping[int, float]) -> list[int]:
+  """The fitting degrees whose prediction is within 5% of the best one, descending."""
+  cands = [d for d, ok in fits.items() if ok and d in predicted]
+  if not cands:
+    return []
+  best = min(predicted[d] for d in cands)
+  return sorted((d for d in cands if predicted[d] <= best * (1 + CLOSE)), reverse=True)
+
+
+def _ms(s: float) -> str:
+  return f"{s * 1e3:.1f} ms"
+
+
+def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mapping[int, float],
+                    measured: Mapping[int, float] | None, remembered: int | None,
+                    fixed: int | None, can_measure: bool = True,
+                    why_not: str = "no room to measure") -> tuple[int, str, str]:
+  """Chooses how many microbatches one call of the training graph runs.
+
+  The rules, in order: SEXPGPU_STACKING fixes it; the only degree that fits;
+  a measurement an earlier run of this graph made on this device; the cost
+  model, when its best prediction is more than 5% ahead of the next; else a
+  measurement of the close ones at the first step (when a second copy of the
+  state fits: `can_measure`; otherwise the model decides).
+
+  Args:
+    k_per_rank: microbatches per rank per step.
+    fits: degree → whether the plan at that degree fits.
+    predicted: degree → the cost model's seconds per step.
+    measured: degree → measured seconds per step at the first step, or None.
+    remembered: the degree choices.json holds for this graph and device, or None.
+    fixed: SEXPGPU_STACKING's degree, or None for auto.
+    can_measure: whether a measurement is possible (a second state copy fits, and
+      one node: several nodes would have to time their steps in lockstep). Close
+      degrees whose measurement would outlast MEASURE_BUDGET_S are not measured
+      either: a slow step (a large model on the CPU) is left to the model.
+    why_not: why it is not, for the report line.
+
+  Returns:
+    (degree, how, text): how is one of "fixed", "only", "remembered", "model",
+    "measured", "measure" (the caller must time `to_measure(...)` and call
+    again with `measured`) or "none" (nothing fits: degree 0; raise refuse()).
+    text is the stacking report line's value.
+
+  Raises:
+    SxError: E-ENV-001 when `fixed` does not divide k_per_rank.
+  """
+  if fixed is not None:
+    if fixed < 1 or k_per_rank % fixed:
+      raise SxError("E-ENV-001", f"SEXPGPU_STACKING={fixed} does not divide the {k_per_rank} "
+                    "microbatches per rank", where="SEXPGPU_STACKING",
+                    fix="use a divisor of :microbatches per rank, or auto")
+    note = "" if fits.get(fixed, True) else ", beyond the plan"
+    return fixed, "fixed", f"{fixed}: SEXPGPU_STACKING{note}"
+  cands = [d for d in divisors(k_per_rank) if fits.get(d, False)]
+  if not cands:
+    return 0, "none", "no degree fits"
+  if len(cands) == 1:
+    return cands[0], "only", f"{cands[0]}: the only one that fits"
+  if remembered in cands:
+    return remembered, "remembered", (f"{remembered}: measured by an earlier run of this graph on "
+                                      "this device (choices.json)")
+  preds = {d: predicted[d] for d in cands if d in predicted}
+  if not preds:
+    return cands[0], "model", f"{cands[0]}: the largest that fits (no prediction)"
+  close = to_measure({d: True for d in preds}, preds)
+  listing = "; ".join(f"{d} {_ms(preds[d])}" for d in sorted(preds, reverse=True))
+  best = min(preds, key=lambda d: (preds[d], -d))
+  if len(close) < 2:
+    return best, "model", f"{best}: the cost model ({listing})"
+  cost = MEASURE_RUNS * sum(preds[d] for d in close)
+  if can_measure and cost > MEASURE_BUDGET_S:
+    can_measure, why_not = False, f"measuring would take about {cost:.0f} s"
+  if not can_measure:
+    return best, "model", f"{best}: the cost model, within 5% but {why_not} ({listing})"
+  if not measured or any(d not in measured for d in close):
+    return best, "measure", f"{best}: to be measured at the first step ({listing})"
+  won = min(close, key=lambda d: (measured[d], -d))  # the fastest, as the seed's example
+  detail = "; ".join(f"{d} {_ms(measured[d])}, model {_ms(preds[d])}" for d in close)
+  return won, "measured", (f"{won}: measured at the first step, the model within 5% could not "
+                           f"separate them ({detail})")
+
+
+# --- the cost model -------------------------------------------------------------------------
+
+def _cost(c) -> tuple[float, float]:
+  if c is None:
+    return 0.0, 0.0
+  d = c if isinstance(c, Mapping) else c.cost_analysis()
+  if isinstance(d, (list, tuple)):
+    d = d[0] if d else {}
+  return float(d.get("flops", 0.0)), float(d.get("bytes accessed", 0.0))
+
+
+def buffers(compiled) -> int:
+  """Argument and result buffers of a call: what its fixed cost grows with."""
+  try:
+    return int(compiled.in_tree.num_leaves) + int(compiled.out_tree.num_leaves)
+  except AttributeError:  # a cost_analysis dict: nothing known of its buffers
+    return 0
+
+
+def call_seconds(compiled, device_rates: Mapping[str, float]) -> float:
+  """The fixed cost of one call: dispatch plus a share for each argument and result."""
+  return (float(device_rates.get("call", 0.0))
+          + float(device_rates.get("buffer", 0.0)) * buffers(compiled))
+
+
+def cost_model(compiled, trips: int, device_rates: Mapping[str, float],
+               outside: Any = None) -> float:
+  """Predicted seconds of one call, from cost_analysis, the scan body times its trips.
+
+  cost_analysis counts a lax.scan body once: the cost outside the loop (the
+  `outside` executable's, e.g. the optimizer update, or none) is subtracted,
+  the rest multiplied by `trips`, and the two added back.
+
+  Args:
+    compiled: a jax.stages.Compiled (or its cost_analysis dict).
+    trips: the scan's trip count (the stacking degree).
+    device_rates: {"flops": flop/s, "bytes": byte/s, "call": seconds a call,
+      "buffer": seconds per argument or result buffer}.
+    outside: the cost (Compiled or dict) of the part outside the loop, or None.
+
+  Returns:
+    Seconds: the call's fixed cost + max(flops / flop rate, bytes / byte rate).
+  """
+  f_all, b_all = _cost(compiled)
+  f_out, b_out = _cost(outside)
+  f_out, b_out = min(f_out, f_all), min(b_out, b_all)
+  flops = f_out + trips * (f_all - f_out)
+  nbytes = b_out + trips * (b_all - b_out)
+  return call_seconds(compiled, device_rates) + max(flops / device_rates["flops"],
+                                                    nbytes / device_rates["bytes"])
+
+
+def predict(executables: dict, degree: int, per_rank: int, rates: dict,
+            update: Any = None) -> float:
+  """The cost model's seconds for one step at a stacking degree.
+
+  Args:
+    executables: the degree's executables ("train step", or "gradient call" and "update").
+    degree: the stacking degree.
+    per_rank: microbatches per rank per step.
+    rates: the device's rates (device_rates).
+    update: another degree's "update" executable, when one was compiled: the part of
+      a fused step that runs once, not once per trip.
+  """
+  if "train step" in executables:
+    return cost_model(executables["train step"], degree, rates, update)
+  calls = per_rank // degree
+  grads = executables["gradient call"]
+  # the step also zeroes the sums (one small call) before its gradient calls
+  return (float(rates.get("call", 0.0)) + calls * cost_model(grads, degree, rates)
+          + cost_model(executables["update"], 1, rates))
+
+
+def measure_rates(device, size: int | None = None) -> dict[str, float]:
+  """The device's matmul flop/s, copy byte/s and a call's fixed seconds, timed in ~a second.
+
+  A call's fixed cost is timed twice, with 1 and with 65 small arguments (each
+  returned), so it splits into a dispatch cost and a cost per buffer.
+  """
+  n = size or (4096 if device.platform != "cpu" else 512)
+  dt = jnp.bfloat16 if device.platform != "cpu" else jnp.float32
+  wide = 65
+  with jax.default_device(device):
+    a = jnp.ones((n, n), dt)
+    v = jnp.ones((n * n * 4,), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    cp = jax.jit(lambda x: x * 2.0)
+    one = jax.jit(lambda x: x + 1)
+    many = jax.jit(lambda xs: [x + 1 for x in xs])
+    s = jnp.ones((8,), jnp.float32)
+    ss = [jnp.ones((8,), jnp.float32) for _ in range(wide)]
+
+    def best(fn, x, reps=5):
+      jax.block_until_ready(fn(x))
+      times = []
+      for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t)
+      return min(times)
+
+    t_mm, t_cp = best(mm, a), best(cp, v)
+    t_one, t_many = best(one, s, 50), best(many, ss, 50)
+  per_buffer = max(t_many - t_one, 0.0) / (2 * (wide - 1))
+  return {"flops": 2 * n ** 3 / max(t_mm, 1e-9), "bytes": 2 * v.nbytes / max(t_cp, 1e-9),
+          "call": max(t_one - 2 * per_buffer, 0.0), "buffer": per_buffer}
+
+
+def _write_json(path: str, data: dict) -> None:
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    json.dump(data, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+    return data if isinstance(data, dict) else {}
+  except (OSError, ValueError):
+    return {}
+
+
+def device_rates(device, cache_dir: str | None = None) -> dict:
+  """The device's rates: measured once per device kind, remembered with the model's version.
+
+  Args:
+    device: a jax Device.
+    cache_dir: where `rates.json` is kept (none: measured once per process).
+  """
+  name = device_name(device)
+  if name in _RATES:
+    return _RATES[name]
+  path = os.path.join(cache_dir, "rates.json") if cache_dir else None
+  known = _read_json(path).get(name) if path else None
+  if (isinstance(known, dict) and known.get("model") == COST_MODEL
+      and known.get("jax") == jax.__version__
+      and all(isinstance(known.get(k), (int, float)) for k in ("flops", "bytes", "call",
+                                                                "buffer"))):
+    rates = {k: float(known[k]) for k in ("flops", "bytes", "call", "buffer")}
+  else:
+    rates = measure_rates(device)
+    if path:
+      data = _read_json(path)
+      data[name] = dict(rates, model=COST_MODEL, jax=jax.__version__)
+      _write_json(path, data)
+  _RATES[name] = rates
+  return rates
+
+
+class ChoiceCache:
+  """`<cache>/choices.json`: stacking choices by (graph fingerprint, device), with the model's
+  version; an entry another version of the cost model wrote is not used."""
+
+  def __init__(self, path: str):
+    """Args: path: the JSON file (usually os.path.join(cache_dir(), "choices.json"))."""
+    self.path = path
+
+  @staticmethod
+  def key(fingerprint: str, device: str) -> str:
+    """The entry's key: `<graph fingerprint>|<device kind or name>`."""
+    return f"{fingerprint}|{device}"
+
+  def entry(self, fingerprint: str, device: str) -> dict | None:
+    """The entry this version of the cost model wrote, or None."""
+    e = _read_json(self.path).get(self.key(fingerprint, device))
+    if not isinstance(e, dict) or e.get("model") != COST_MODEL:
+      return None
+    return e
+
+  def get(self, fingerprint: str, device: str) -> int | None:
+    """The remembered degree, or None (also when missing, unreadable or of another model)."""
+    e = self.entry(fingerprint, device)
+    try:
+      return int(e["degree"]) if e else None
+    except (KeyError, TypeError, ValueError):
+      return None
+
+  def put(self, fingerprint: str, device: str, degree: int,
+          measured: Mapping[int, float] | None = None) -> None:
+    """Remembers a choice; written beside the file then renamed (atomic)."""
+    data = _read_json(self.path)
+    data[self.key(fingerprint, device)] = {
+        "degree": int(degree), "model": COST_MODEL,
+        "measured_s": {str(k): v for k, v in (measured or {}).items()},
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write_json(self.path, data)
+
+
+# --- planning -------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Choice:
@@ -31,27 +334,11 @@ class Choice:
   totals: dict  # degree → the plan's total bytes
 
 
-def _rates(device) -> dict:
-  key = f"{device.platform}:{device.id}"
-  if key not in _RATES:
-    _RATES[key] = mem.measure_rates(device)
-  return _RATES[key]
-
-
 def device_name(device, ranks: int = 1) -> str:
   """choices.json's device part: the kind, and the rank count when data parallel (a
   degree measured for one device's share of the microbatches says nothing of another's)."""
   name = f"{device.platform}:{getattr(device, 'device_kind', '')}"
   return name if ranks == 1 else f"{name} x{ranks}"
-
-
-def predict(executables: dict, degree: int, per_rank: int, rates: dict) -> float:
-  """The cost model's seconds for one step at a stacking degree."""
-  if "train step" in executables:
-    return mem.cost_model(executables["train step"], degree, rates)
-  calls = per_rank // degree
-  return (calls * mem.cost_model(executables["gradient call"], degree, rates)
-          + mem.cost_model(executables["update"], 1, rates))
 
 
 def shrink_hints(knobs: dict) -> list[str]:
@@ -63,37 +350,41 @@ def shrink_hints(knobs: dict) -> list[str]:
   return hints
 
 
-def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_steps: dict,
-           pass_inputs: dict, device, checkpointing: bool, graph_fingerprint: str,
-           cache_dir: str, knobs: dict, several_nodes: bool = False,
-           ranks: int = 1) -> Choice:
+def choose(training, stage: int, fixed: int | None, state, batches, device,
+           checkpointing: bool, cache_dir: str, several_nodes: bool = False,
+           buffered_batches: int = 3) -> Choice:
   """Compiles the step at each stacking degree that could be used, and picks one.
 
   Args:
-    make_step: degree → TrainStep.
-    per_rank: microbatches per rank per step.
+    training: the run's Training (run/training.py): its steps and pass steps.
+    stage: the curriculum stage whose step is planned.
     fixed: SEXPGPU_STACKING's degree or None.
     state, batches: abstract train state and one step's abstract batches.
-    pass_steps, pass_inputs: pass name → PassStep, and its abstract (params, batch).
     device: the first device of the run.
     checkpointing: whether a copy of the state is kept while a checkpoint is written.
+    cache_dir: where choices.json and rates.json are kept.
     several_nodes: node 0's choice is every node's (nothing is measured).
-    ranks: data-parallel ranks in all (choices.json keeps each count apart).
+    buffered_batches: step batches on the device at once (the one in use, those ahead).
 
   Raises:
     SxError: E-MEM-001 when no degree fits.
   """
-  degrees = [fixed] if fixed is not None else sorted(mem.divisors(per_rank), reverse=True)
-  pass_execs = {f"pass {n}": s.compile(*pass_inputs[n]) for n, s in pass_steps.items()}
+  per_rank = training.k // training.ranks
+  degrees = [fixed] if fixed is not None else sorted(divisors(per_rank), reverse=True)
+  params = training.place.abstract(state["params"]) if training.place else state["params"]
+  pass_execs = {f"pass {n}": s.compile(params, training.place.abstract(
+      training.abstract_batches(p.data, ())) if training.place else
+      training.abstract_batches(p.data, ()))
+      for n, s, p in ((n, s, training.c.exp.passes[n]) for n, s in training.pass_steps.items())}
   parts_1 = mem.state_parts(state, accumulators=1)
   state_total = mem.tree_bytes(state)
-  outside = mem.outside_bytes(mem.tree_bytes(batches), state_total, checkpoint_copy=checkpointing)
+  outside = mem.outside_bytes(mem.tree_bytes(batches), state_total,
+                              buffered_batches=buffered_batches, checkpoint_copy=checkpointing)
   free = mem.free_bytes_of(device, os.environ.get("SEXPGPU_MEMORY"))
   reserve = mem.reserve_for(device)
   plans, execs, predicted = {}, {}, {}
   for d in degrees:
-    step = make_step(d)
-    ex = step.executables(state, batches)
+    ex = training.step(stage, d).executables(state, batches)
     resident = {}
     if "gradient call" in ex:  # the optimizer state and the running gradient sum stay alive
       resident["gradient call"] = parts_1["optimizer states"] + parts_1[
@@ -103,50 +394,50 @@ def choose(make_step, per_rank: int, fixed: int | None, state, batches, pass_ste
     execs[d] = ex
   fits = {d: p.fits for d, p in plans.items()}
   if len([d for d in degrees if fits[d]]) > 1:
-    rates = _rates(device)
-    predicted = {d: predict(execs[d], d, per_rank, rates) for d in degrees}
-  cache = mem.ChoiceCache(os.path.join(cache_dir, "choices.json"))
-  name = device_name(device, ranks)
-  remembered = cache.get(graph_fingerprint, name)
+    rates = device_rates(device, cache_dir)
+    update = next((ex["update"] for ex in execs.values() if "update" in ex), None)
+    predicted = {d: predict(execs[d], d, per_rank, rates, update) for d in degrees}
+  cache = ChoiceCache(os.path.join(cache_dir, "choices.json"))
+  name = device_name(device, training.ranks)
+  remembered = cache.get(training.c.graph_fingerprint, name)
   can_measure = all(p.total + state_total + p.reserve <= p.free for d, p in plans.items()
                     if fits[d])
   why_not = "no room to measure"
   if several_nodes:
     can_measure, why_not = False, "several nodes do not measure"
-  degree, how, text = mem.choose_stacking(per_rank, fits, predicted, None, remembered, fixed,
-                                          can_measure, why_not)
+  degree, how, text = choose_stacking(per_rank, fits, predicted, None, remembered, fixed,
+                                      can_measure, why_not)
   if several_nodes:  # each node's timings and choices.json may differ: node 0 decides for all
     from sexpgpu.devices.nodes import follow_node_0
     degree, how, text = follow_node_0("stacking", [degree, how, text])
   if how == "none":
     smallest = min(plans.values(), key=lambda p: p.total)
-    raise mem.refuse(smallest, shrink_hints(knobs))
+    raise mem.refuse(smallest, shrink_hints(training.c.selection.knobs))
   # The cost model's inputs are timed per process, so its choice is remembered too: every
   # later run of this graph on this device then sums its gradients in the same order.
   if how == "model":
-    cache.put(graph_fingerprint, name, degree, None)
+    cache.put(training.c.graph_fingerprint, name, degree, None)
   elif how == "remembered":
-    entry = cache._load().get(cache.key(graph_fingerprint, name), {})
+    entry = cache.entry(training.c.graph_fingerprint, name) or {}
     if not entry.get("measured_s"):
       text = (f"{degree}: the cost model's choice for this graph on this device, remembered "
               "(choices.json)")
-  cands = mem.to_measure(fits, predicted) if how == "measure" else []
+  cands = to_measure(fits, predicted) if how == "measure" else []
   return Choice(degree, how, text, plans[degree], execs[degree], cands, fits, predicted,
                 {d: p.total for d, p in plans.items()})
 
 
-def measure(choice: Choice, make_step, state, batches, per_rank: int, graph_fingerprint: str,
-            device, cache_dir: str, ranks: int = 1) -> Choice:
+def measure(choice: Choice, training, stage: int, state, batches, device, cache_dir: str) -> Choice:
   """Times one step at each close degree on a copy of the state, keeps the fastest, remembers it."""
   measured = {}
   for d in choice.candidates:
-    step = make_step(d)
+    step = training.step(stage, d)
     best = float("inf")
     try:
       copy = jax.tree_util.tree_map(jnp.copy, state)
       new, m = step(copy, batches)  # compiles if needed; the state copy is donated
       jax.block_until_ready(m)
-      for _ in range(mem.MEASURE_RUNS - 1):  # the fastest: one step's time is noisy
+      for _ in range(MEASURE_RUNS - 1):  # the fastest: one step's time is noisy
         copy = jax.tree_util.tree_map(jnp.copy, state)
         t = time.perf_counter()
         new, m = step(copy, batches)
@@ -158,8 +449,9 @@ def measure(choice: Choice, make_step, state, batches, per_rank: int, graph_fing
         raise
       jax.clear_caches()  # this degree does not fit after all: it is not chosen
     measured[d] = best
-  degree, how, text = mem.choose_stacking(per_rank, choice.fits, choice.predicted, measured,
-                                          None, None)
-  mem.ChoiceCache(os.path.join(cache_dir, "choices.json")).put(
-      graph_fingerprint, device_name(device, ranks), degree, measured)
+  per_rank = training.k // training.ranks
+  degree, how, text = choose_stacking(per_rank, choice.fits, choice.predicted, measured,
+                                      None, None)
+  ChoiceCache(os.path.join(cache_dir, "choices.json")).put(
+      training.c.graph_fingerprint, device_name(device, training.ranks), degree, measured)
   return dataclasses.replace(choice, degree=degree, how=how, text=text, candidates=[])

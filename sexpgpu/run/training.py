@@ -1,0 +1,115 @@
+"""The train state and the steps of one compiled experiment, built in one place.
+
+`run`, `check --print plan|hlo`, the Python API and the tests all take their
+abstract state, train steps and pass steps from `build()`, so the step that is
+planned is the step that runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sexpgpu.ir.shapes import np_dtype
+from sexpgpu.lower.init import init_params
+from sexpgpu.lower.optim import make_optimizer
+from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
+
+
+@dataclasses.dataclass
+class Training:
+  """What one run trains with: its steps by (stage, degree), pass steps and state shapes.
+
+  Attributes:
+    c: the Compiled experiment.
+    place: the run's Placement (devices, mesh), or None for abstract use only.
+    node_gradients: "f32" or "bf16" (the sum between nodes).
+    diags: the diagnostics the step computes.
+    pass_steps: pass name → PassStep.
+  """
+
+  c: Any
+  place: Any = None
+  node_gradients: str = "f32"
+  diags: tuple[Diag, ...] = ()
+  pass_steps: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    run = self.c.exp.run
+    self.steps = int(run["steps"])
+    self.k = int(run["microbatches"])
+    self.seed = int(run["seed"])
+    self.precision = str(run["precision"])
+    self.on_nan = str(run["on-nan"])
+    self.ranks = self.place.ranks if self.place is not None else 1
+    self._steps: dict[tuple[int, int], TrainStep] = {}
+
+  @property
+  def carried(self) -> bool:
+    """Whether each device keeps a rounding-error carry (bf16 sums between nodes)."""
+    return (self.place is not None and self.place.multiprocess
+            and self.node_gradients == "bf16")
+
+  def optimizer(self, stage: int = 0):
+    """The stage's optax transformation and learning-rate schedule."""
+    return make_optimizer(self.c.stages[stage].exp.optimizer, self.steps)
+
+  def step(self, stage: int, degree: int) -> TrainStep:
+    """The stage's train step at a stacking degree (built once, then kept)."""
+    key = (stage, degree)
+    if key not in self._steps:
+      opt, sched = self.optimizer(stage)
+      place = self.place
+      self._steps[key] = TrainStep(
+          self.c.stages[stage].graph, opt, sched, self.precision, self.k, degree, self.seed,
+          self.on_nan, self.diags, place.mesh if place else None, self.node_gradients,
+          place.first.platform if place else None)
+    return self._steps[key]
+
+  def abstract_state(self, stage: int = 0) -> dict:
+    """The train state as ShapeDtypeStructs: nothing is initialized or allocated."""
+    opt, _ = self.optimizer(stage)
+    state = jax.eval_shape(lambda: init_state(init_params(self.seed, self.c.params), opt))
+    if self.carried:  # one rounding-error carry per device for the bf16 sum between nodes
+      state["carry"] = jax.tree_util.tree_map(
+          lambda p: jax.ShapeDtypeStruct((self.ranks,) + p.shape, jnp.float32), state["params"])
+    return state
+
+  def init_state(self, stage: int = 0) -> dict:
+    """The initial train state, placed on the run's devices."""
+    opt, _ = self.optimizer(stage)
+    place = self.place
+    with jax.default_device(place.first):
+      state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
+    if self.carried:
+      n = len(place.local_devices)
+      state["carry"] = {k: place.shard(np.zeros((n,) + v.shape, np.float32), self.ranks)
+                        for k, v in state["params"].items()}
+    return state
+
+  def abstract_batches(self, loader: str, lead: tuple = ()) -> dict:
+    """A loader's batch as ShapeDtypeStructs, with leading axes `lead` (e.g. (K,))."""
+    return {f: jax.ShapeDtypeStruct(lead + sh, jnp.dtype(np_dtype(dt)))
+            for f, (dt, sh) in self.c.fields[loader].items()}
+
+
+def build(c, place=None, node_gradients: str = "f32", diagnostics: bool = True) -> Training:
+  """The Training of a compiled experiment: the one place its steps are wired.
+
+  Args:
+    c: the Compiled experiment (run/compile.py).
+    place: the run's Placement, or None to build abstract steps without devices.
+    node_gradients: "f32" or "bf16", the sum between nodes.
+    diagnostics: whether the step computes the selected diagnostics.
+  """
+  diags = ()
+  if diagnostics:
+    diags = tuple(Diag(n, d.kind, d.arg, d.reduce) for n, d in
+                  ((n, c.exp.diagnostics[n]) for n in c.diagnostics))
+  precision = str(c.exp.run["precision"])
+  passes = {p: PassStep(gs, precision) for p, gs in c.passes.items()}
+  return Training(c, place, node_gradients, diags, passes)

@@ -1,0 +1,191 @@
+"""The loop keeps the device busy: batches drawn ahead, metrics read one step late; where the
+time went (--profile, MFU, goodput)."""
+
+import glob
+import json
+import os
+import subprocess
+import time
+import types
+
+import numpy as np
+import pytest
+
+import sexpgpu
+from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.data import synthetic
+
+TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+# Fields that measure time, not what was computed.
+TIMED = ("time", "time/step", "time/data-wait", "time/pass", "throughput/tokens-per-second",
+         "throughput/mfu", "seconds", "bytes")  # bytes: orbax's files carry their write times
+
+
+def _events(path):
+  """What the run computed, in order (annotations carry the free memory and timings)."""
+  home = str(path.parent)
+  return [{k: v.replace(home, "RUN") if isinstance(v, str) else v
+           for k, v in e.items() if k not in TIMED + ("goodput",)}
+          for e in map(json.loads, open(path))
+          if e["kind"] in ("step", "pass", "checkpoint", "stage", "diagnostic", "summary")]
+
+
+def _run_both(tmp_path, name, sets, steps):
+  """The same run with the pipelined loop and with the plain one; their outputs."""
+  out = {}
+  for pipeline in (True, False):
+    d = tmp_path / f"{name}-{pipeline}"
+    d.mkdir()
+    exp = sexpgpu.compile(TINY, variant="smoke", set=sets)
+    err = None
+    try:
+      s = exp.run(steps=steps, metrics=f"jsonl:{d / 'm.jsonl'}", status=str(d / "s.json"),
+                  checkpoint_dir=str(d / "ckpt"), pipeline=pipeline)
+    except sexpgpu.SxError as e:
+      s, err = None, e.code
+    out[pipeline] = (d, s, err, exp)
+  return out
+
+
+def _checkpoints(d, exp):
+  """Every step folder's arrays and meta (without versions), by step."""
+  from sexpgpu.ckpt import restore_checkpoint
+  from sexpgpu.run.training import build
+  abstract = build(exp._c).abstract_state()
+  got = {}
+  for step_dir in sorted(glob.glob(str(d / "ckpt" / "*" / "*"))):
+    if not os.path.basename(step_dir).isdigit():
+      continue
+    state, meta = restore_checkpoint(step_dir, abstract)
+    meta.pop("versions", None)
+    leaves = [np.asarray(x) for x in __import__("jax").tree_util.tree_leaves(state)]
+    got[int(os.path.basename(step_dir))] = (leaves, meta)
+  return got
+
+
+def _status(d):
+  s = json.loads((d / "s.json").read_text().replace(str(d), "RUN"))
+  return {k: s[k] for k in ("state", "step", "stage", "train_loss", "last_pass", "counters",
+                            "checkpoint", "error")}
+
+
+def _assert_same(runs):
+  (d1, s1, e1, x1), (d0, s0, e0, x0) = runs[True], runs[False]
+  assert e1 == e0
+  if s1 is not None:
+    assert s1.train_loss == s0.train_loss and s1.eval == s0.eval and s1.counters == s0.counters
+  assert _events(d1 / "m.jsonl") == _events(d0 / "m.jsonl")
+  assert _status(d1) == _status(d0)
+  c1, c0 = _checkpoints(d1, x1), _checkpoints(d0, x0)
+  assert sorted(c1) == sorted(c0) and c1
+  for step in c1:
+    (l1, m1), (l0, m0) = c1[step], c0[step]
+    assert m1 == m0
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(l1, l0))
+
+
+def test_pipelined_loop_writes_what_the_plain_loop_writes(tmp_path):
+  """Metrics, status and every checkpoint (arrays and loader positions), bitwise."""
+  runs = _run_both(tmp_path, "ok", {"checkpoint-every": 3}, 12)
+  assert runs[True][1].steps == 12
+  _assert_same(runs)
+
+
+def test_on_nan_stop_saves_the_same_last_finite_state_pipelined(tmp_path):
+  runs = _run_both(tmp_path, "nan", {"lr": 1e30}, 6)
+  assert runs[True][2] == "E-NUM-001"
+  _assert_same(runs)
+
+
+def _slow_loader(monkeypatch, seconds):
+  real = synthetic.MarkovLoader.next
+
+  def slow(self):
+    time.sleep(seconds)
+    return real(self)
+
+  monkeypatch.setattr(synthetic.MarkovLoader, "next", slow)
+
+
+def _waits(path):
+  steps = [json.loads(line) for line in open(path)]
+  steps = [e for e in steps if e["kind"] == "step"]
+  return [e["time/data-wait"] for e in steps], [e["time/step"] for e in steps]
+
+
+def test_the_loop_does_not_wait_on_a_loader_faster_than_the_step(monkeypatch, tmp_path):
+  sets = {"width": 256, "seq": 64}
+  exp = sexpgpu.compile(TINY, variant="smoke", set=sets)
+  exp.run(steps=8, metrics=f"jsonl:{tmp_path / 'base.jsonl'}")
+  _, base = _waits(tmp_path / "base.jsonl")
+  step = float(np.median(base[2:]))
+  k = int(exp.knobs["microbatches"].value) if "microbatches" in exp.knobs else 2
+  per_draw = 0.3 * step / k  # a step's draws take 30% of a step
+  _slow_loader(monkeypatch, per_draw)
+  got = {}
+  for pipeline in (True, False):
+    m = tmp_path / f"{pipeline}.jsonl"
+    exp.run(steps=12, metrics=f"jsonl:{m}", pipeline=pipeline)
+    waits, _ = _waits(m)
+    got[pipeline] = sum(waits[2:])  # from the third step: the feed has filled its queue
+  slept = 10 * k * per_draw
+  assert got[False] >= 0.9 * slept  # the plain loop waits for every draw
+  assert got[True] < 0.35 * slept, (got, slept)  # the pipelined one hides them behind steps
+
+
+def test_goodput_drops_when_a_run_waits_on_a_slow_loader(monkeypatch, tmp_path):
+  exp = sexpgpu.compile(TINY, variant="smoke")
+  fast = exp.run(steps=8, status=str(tmp_path / "fast.json"))
+  _slow_loader(monkeypatch, 0.25)
+  slow = exp.run(steps=8, status=str(tmp_path / "slow.json"))
+  assert 0 < slow.goodput < 0.75 * fast.goodput <= 1
+  assert json.load(open(tmp_path / "slow.json"))["goodput"] == slow.goodput
+
+
+def test_profile_writes_a_trace_and_names_the_top_ops(tmp_path):
+  prof = tmp_path / "prof"
+  p = subprocess.run(sexpgpu_cmd("run", TINY, "--variant", "smoke", "--steps", "6",
+                                 "--profile", "2..4", "--profile-dir", str(prof)),
+                     cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr
+  lines = p.stderr.splitlines()
+  (i,) = [n for n, line in enumerate(lines) if line.startswith("profile: ")]
+  assert lines[i - 1].startswith("timing total ") and lines[i + 1].startswith("done: ")
+  assert lines[i].startswith(f"profile: steps 2..4 in {prof}; top: ")
+  tops = lines[i].split("; top: ")[1].split(", ")
+  assert 1 <= len(tops) <= 5 and all(t.endswith("%") for t in tops)
+  assert glob.glob(str(prof / "plugins" / "profile" / "*" / "*.xplane.pb"))
+  assert glob.glob(str(prof / "plugins" / "profile" / "*" / "perfetto_trace.json.gz"))
+
+
+@pytest.mark.parametrize("flag,env", [(("--profile", "4..2"), {}),
+                                      ((), {"SEXPGPU_PROFILE": "many"})])
+def test_a_bad_profile_range_is_e_env_001_naming_where_it_came_from(flag, env):
+  p = subprocess.run(sexpgpu_cmd("run", TINY, "--steps", "1", *flag), cwd=ROOT,
+                     capture_output=True, text=True, env=dict(os.environ, **env), timeout=300)
+  assert p.returncode == 1 and "error[E-ENV-001]" in p.stderr, p.stderr
+  assert (flag[0] if flag else "SEXPGPU_PROFILE") in p.stderr
+  assert "Traceback" not in p.stderr
+
+
+def test_mfu_peaks_are_matched_on_the_exact_device_name():
+  from sexpgpu.lower.flops import device_peak, gpu_peak
+  assert gpu_peak("NVIDIA L4", "bf16") == 121e12
+  assert gpu_peak("NVIDIA L40S", "bf16") == 362e12
+  assert gpu_peak("NVIDIA H100 80GB HBM3", "f32") == 989e12 / 2
+  for unknown in ("L4", "NVIDIA L4X", "NVIDIA L40S (MIG 1g.12gb)", "Tesla L4 vGPU", ""):
+    assert gpu_peak(unknown, "bf16") is None
+  card = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA L40S")
+  assert device_peak(card, "bf16") == 362e12
+
+
+def test_a_causal_attentions_products_count_half():
+  from sexpgpu.lower.flops import node_flops
+  q = types.SimpleNamespace(shape=(2, 4, 16, 8))
+
+  def sdpa(causal):
+    return types.SimpleNamespace(op="sdpa", inputs=[q, q, q],
+                                 attr=lambda name: {"causal": causal}[name])
+
+  full = 2 * 2 * 2 * 4 * 16 * 16 * 8
+  assert node_flops(sdpa(False)) == full and node_flops(sdpa(True)) == full // 2
