@@ -178,7 +178,8 @@ class TextLoader(base.Loader):
     """Kind, field types, rows, the cache, its documents, tokens, vocabulary and padding."""
     return {**super().describe(), "file": remote.redact(self.uri), "documents": self.documents,
             "tokens": self.tokens, "vocab": self.vocab, "padding": self.padding(),
-            "summary": f"{self.documents} documents, {self.tokens} tokens, vocabulary "
+            "summary": f"{self.documents} document{'s' if self.documents != 1 else ''}, "
+                       f"{self.tokens} tokens, vocabulary "
                        f"{self.vocab}, padding {100 * self.padding():.1f}%"}
 
 

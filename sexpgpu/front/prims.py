@@ -376,6 +376,25 @@ def _causal_mask(b, call):
   return b.op("causal-mask", [x], {}, call)
 
 
+@builtin("nil?")
+def _is_nil(b, call):
+  _arity(call, 1, 1, "(nil? X)")
+  return call.args[0] is None
+
+
+@builtin("segment-mask")
+def _segment_mask(b, call):
+  _arity(call, 2, 2, "(segment-mask SCORES SEGMENTS)")
+  x, seg = _tensor(b, call, 0), _tensor(b, call, 1, "integer segments")
+  if (seg.dtype not in ("i32", "u32") or len(seg.shape) != 2 or len(x.shape) < 3
+      or x.shape[0] != seg.shape[0] or x.shape[-2:] != (seg.shape[1], seg.shape[1])):
+    raise b.shape_error("segment-mask", "shape" if seg.dtype in ("i32", "u32") else "type",
+                        "scores [b, .., t, t] and integer segments [b, t]", [x, seg],
+                        [str(f) for f in call.arg_forms], call.loc,
+                        fix="pass the batch's :segments for self-attention scores")
+  return b.op("segment-mask", [x, seg], {}, call)
+
+
 @builtin("dropout")
 def _dropout(b, call):
   _arity(call, 2, 2, "(dropout X RATE)")

@@ -220,6 +220,18 @@ def _causal_mask(ctx, s):
   return jnp.where(keep, s, jnp.array(-jnp.inf, s.dtype))
 
 
+@register("segment-mask", 2, 2,
+          "fill scores [b, .., q, k] where the query's and key's segments [b, t] differ with -inf")
+def _segment_mask(ctx, s, segments):
+  return jnp.where(_same_segment(segments, s.ndim), s, jnp.array(-jnp.inf, s.dtype))
+
+
+def _same_segment(segments, ndim: int):
+  """[b, 1.., t, t]: whether query and key share a segment (padding, 0, is its own segment)."""
+  same = segments[:, :, None] == segments[:, None, :]
+  return same.reshape(same.shape[:1] + (1,) * (ndim - 3) + same.shape[1:])
+
+
 @register("dropout", 1, 1, "zero elements with probability RATE in training")
 def _dropout(ctx, x, *, rate, site):
   if not ctx.training or ctx.rng is None or rate == 0.0:
@@ -241,14 +253,17 @@ def _cross_entropy(ctx, logits, targets, mask=None):
   return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-@register("sdpa", 3, 3, "scaled dot-product attention, layout [batch, heads, seq, dim]")
-def _sdpa(ctx, q, k, v, *, causal, scale):
+@register("sdpa", 3, 4, "scaled dot-product attention, layout [batch, heads, seq, dim]; "
+          "SEGMENTS [batch, seq] keeps each query to keys of its own segment")
+def _sdpa(ctx, q, k, v, segments=None, *, causal, scale):
   # the reference; `lower.attention` picks cuDNN or Pallas on a GPU
   ct = ctx.compute_dtype(q)
   s = jnp.einsum("...qd,...kd->...qk", q.astype(ct), k.astype(ct),
                  preferred_element_type=jnp.float32) * scale
   if causal:
     s = _causal_mask(ctx, s)
+  if segments is not None:
+    s = _segment_mask(ctx, s, segments)
   p = jax.nn.softmax(s, axis=-1)
   out = jnp.einsum("...qk,...kd->...qd", p.astype(ct), v.astype(ct),
                    preferred_element_type=jnp.float32)

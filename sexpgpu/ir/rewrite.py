@@ -184,12 +184,16 @@ class _Rewriter:
     axis = min(m.batch_axes, 1)  # no heads axis: [b, 1, t, d]; no batch either: [1, 1, t, d]
     for _ in range(2 - m.batch_axes):
       canon = [self.make(frame, "expand", [x], {"axis": axis}, node) for x in canon]
-    out = self.make(frame, "sdpa", canon, {"causal": m.causal, "scale": float(m.scale)}, node)
+    # The segment mask stays an input of the region, so its lowering can serve it.
+    segments = [frame.get(m.segments)] if m.segments is not None else []
+    out = self.make(frame, "sdpa", canon + segments, {"causal": m.causal,
+                                                      "scale": float(m.scale)}, node)
     for _ in range(2 - m.batch_axes):
       out = self.make(frame, "squeeze", [out], {"axis": axis}, node)
     out = self.transpose(frame, out, m.out_perm, node)
     heads = (f"{canon[0].shape[1]} heads" if m.batch_axes == 2 else "no heads axis")
     detail = f"{'causal' if m.causal else 'not causal'}, {heads}, head dim {canon[0].shape[-1]}"
+    detail += ", segment mask" if m.segments is not None else ""
     self.regions.append(Region("attention", m.count, detail, node.scope, node.loc, frame.times))
     return out
 
@@ -228,6 +232,7 @@ class AttentionMatch:
     out_perm: the transpose from sdpa's layout to the einsum's output layout.
     causal, scale: sdpa's attributes.
     count: how many nodes the chain has.
+    segments: the [batch, seq] segment ids of a `segment-mask` in the chain, or None.
   """
 
   q: Node
@@ -239,6 +244,7 @@ class AttentionMatch:
   causal: bool
   scale: float
   count: int
+  segments: Node | None = None
 
 
 def parse_spec(spec: str, ranks: list[int]) -> tuple[list[str], str] | None:
@@ -272,7 +278,10 @@ def _scale_of(x: Node) -> tuple[Node, float] | None:
 
 
 def match_attention(node: Node, single_use) -> AttentionMatch | None:
-  """Matches `einsum(softmax(causal-mask?(einsum(q, k) * scale?)), v)` at `node`.
+  """Matches `einsum(softmax(masks(einsum(q, k) * scale?)), v)` at `node`.
+
+  The masks are an optional `causal-mask` and an optional `segment-mask`, in
+  either order.
 
   Args:
     node: the candidate output einsum.
@@ -288,8 +297,12 @@ def match_attention(node: Node, single_use) -> AttentionMatch | None:
     return None
   chain = [p]
   x = p.inputs[0]
-  causal = x.op == "causal-mask"
-  if causal:
+  causal, segments = False, None
+  while (x.op == "causal-mask" and not causal) or (x.op == "segment-mask" and segments is None):
+    if x.op == "causal-mask":
+      causal = True
+    else:
+      segments = x.inputs[1]
     chain.append(x)
     x = x.inputs[0]
   scale = 1.0
@@ -311,6 +324,9 @@ def match_attention(node: Node, single_use) -> AttentionMatch | None:
   a, b, c, qi, ki, d, batch = roles
   if p.attr("axis") != c.index(ki) or (causal and c[-2:] != qi + ki):
     return None
+  if segments is not None and (c[-2:] != qi + ki or not batch or c[0] != batch[0]
+                               or q.shape[a.index(qi)] != k.shape[b.index(ki)]):
+    return None
   pv = parse_spec(node.attr("spec"), [len(p.shape), len(v.shape)])
   if pv is None:
     return None
@@ -331,7 +347,7 @@ def match_attention(node: Node, single_use) -> AttentionMatch | None:
            [vl.index(g) for g in bp] + [vl.index(kp), vl.index(e)])
   layout = bp + [qp, e]
   return AttentionMatch(q, k, v, perms, len(batch), [layout.index(ch) for ch in ol], causal,
-                        scale, len(chain) + 2)
+                        scale, len(chain) + 2, segments)
 
 
 def _score_roles(spec: str, q: Node, k: Node):
