@@ -19,6 +19,8 @@ RUN_KNOBS: dict[str, Any] = {
     "steps": None, "microbatches": 1, "seed": 0, "precision": Symbol("f32"),
     "checkpoint-every": 0, "keep": 3, "on-nan": Symbol("stop"),
 }
+# The largest float32: a float knob reaches the step as one, so a larger value is infinite.
+F32_MAX = 3.4028234663852886e38
 RUN_CHOICES = {"precision": ("f32", "bf16"), "on-nan": ("stop", "skip")}
 RUN_MIN = {"steps": 0, "microbatches": 1, "checkpoint-every": 0, "keep": 1, "seed": 0}
 # Knobs outside the experiment's identity: a longer resume is the same run.
@@ -85,9 +87,10 @@ def parse_as(text: str, like: Any, name: str, where: str) -> Any:
       value = float(text.replace("_", ""))
     except ValueError:
       raise bad() from None
-    if not math.isfinite(value):
-      raise SxError("E-KNOB-002", f"`{text}` is not a finite number (knob {name})", where=where,
-                    fix=f"give {name} a finite value, like {format_value(like)}")
+    if not math.isfinite(value) or abs(value) > F32_MAX:
+      raise SxError("E-KNOB-002", f"`{text}` is not a finite number"
+                    + (" in float32" if math.isfinite(value) else "") + f" (knob {name})",
+                    where=where, fix=f"give {name} a finite value, like {format_value(like)}")
     return value
   if isinstance(like, Symbol):
     if re.fullmatch(r"[A-Za-z_+*/<>=!?.%-][A-Za-z0-9_+*/<>=!?.%-]*", text):

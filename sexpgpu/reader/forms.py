@@ -61,7 +61,7 @@ class List(Form):
   items: tuple[Form, ...]
 
   def __str__(self) -> str:
-    return "(" + " ".join(str(i) for i in self.items) + ")"
+    return render(self)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,7 +71,28 @@ class Vector(Form):
   items: tuple[Form, ...]
 
   def __str__(self) -> str:
-    return "[" + " ".join(str(i) for i in self.items) + "]"
+    return render(self)
+
+
+def render(form: Form) -> str:
+  """The form as text, without recursion (forms may nest a thousand deep)."""
+  parts: list[str] = []
+  stack: list = [form]
+  while stack:
+    f = stack.pop()
+    if isinstance(f, str):
+      parts.append(f)
+    elif isinstance(f, (List, Vector)):
+      opener, closer = ("(", ")") if isinstance(f, List) else ("[", "]")
+      stack.append(closer)
+      for k, item in enumerate(reversed(f.items)):
+        stack.append(item)
+        if k < len(f.items) - 1:
+          stack.append(" ")
+      parts.append(opener)
+    else:
+      parts.append(str(f))
+  return "".join(parts)
 
 
 def head_symbol(form: Form) -> str | None:
