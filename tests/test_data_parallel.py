@@ -48,7 +48,7 @@ def test_two_host_devices_with_stacking_1(tmp_path):
 
 
 @pytest.mark.parametrize("value,needle", [("zero,one", "does not parse"),
-                                          ("0,0", "repeats an ordinal")])
+                                          ("0,0", "repeats ordinal 0")])
 def test_bad_device_lists_are_e_dp_001(tmp_path, value, needle):
   p, _ = _run(tmp_path, "bad", value)
   assert p.returncode == 1 and "error[E-DP-001]" in p.stderr and needle in p.stderr
@@ -61,8 +61,24 @@ def test_an_invisible_ordinal_is_e_dp_001(tmp_path):
   assert p.returncode == 1 and "error[E-DP-001]" in p.stderr and "ordinal 3" in p.stderr
 
 
+def test_an_ordinal_past_the_cpus_is_e_dp_001_as_doctor_says(tmp_path):
+  p, _ = _run(tmp_path, "bad", str(os.cpu_count() or 1))
+  assert p.returncode == 1 and "error[E-DP-001]" in p.stderr and "not visible" in p.stderr
+  assert "Traceback" not in p.stderr
+
+
+def test_one_rank_on_host_device_1_trains_as_on_device_0(tmp_path):
+  if (os.cpu_count() or 1) < 2:
+    pytest.skip("one CPU: host device 1 is not visible")
+  p0, m0 = _run(tmp_path, "zero", "0")
+  p1, m1 = _run(tmp_path, "one", "1")
+  assert p0.returncode == 0 and p1.returncode == 0, p1.stderr
+  assert _losses(m1) == _losses(m0)
+
+
 def test_microbatches_must_divide_e_dp_003(tmp_path):
-  p, _ = _run(tmp_path, "bad", "0,1,2")
+  p, _ = _run(tmp_path, "bad", "0,1,2",
+              env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
   assert p.returncode == 1 and "error[E-DP-003]" in p.stderr
 
 

@@ -216,10 +216,10 @@ def check_lib(device: str, name: str, stem: str) -> Check:
 
 def check_devices(device: str, environ: Mapping[str, str]) -> Check:
   value = environ.get("SEXPGPU_DEVICES")
-  visible = len(gpus()) if device == "cuda" else (os.cpu_count() or 1)
+  visible = len(gpus()) if device == "cuda" else denv.cpu_visible(environ)
   if device == "cuda" or value:
     try:
-      got = denv.parse_devices(value, visible)
+      got = denv.parse_devices(value, visible, device)
     except SxError as e:
       return _from_error("SEXPGPU_DEVICES", e)
     return Check("ok", "SEXPGPU_DEVICES", f"{value or 'unset'}: ranks on {device} "
@@ -247,6 +247,13 @@ def check_nodes(device: str, environ: Mapping[str, str]) -> list[Check]:
     except SxError as e:
       out.append(_from_error("SEXPGPU_MEMORY", e))
   return out
+
+
+def check_variables(environ: Mapping[str, str]) -> list[Check]:
+  """The other SEXPGPU_* variables, by the parsers `run` uses: a fail line for each bad one."""
+  own_line = ("SEXPGPU_RENDEZVOUS_TIMEOUT", "SEXPGPU_MEMORY")  # check_nodes reports them
+  bad = [_from_error(name, e) for name, e in denv.variable_errors(environ) if name not in own_line]
+  return bad or [Check("ok", "variables", "every SEXPGPU_* variable set parses")]
 
 
 def check_cache(environ: Mapping[str, str]) -> Check:
@@ -335,6 +342,7 @@ def run_checks(device: str = "cpu", environ: Mapping[str, str] | None = None) ->
                          check_lib(device, "nvrtc", "libnvrtc"),
                          check_lib(device, "cublas", "libcublas"),
                          check_devices(device, environ), *check_nodes(device, environ),
+                         *check_variables(environ),
                          check_cache(environ), *check_checkpoints(environ)]
   return checks
 

@@ -1,7 +1,8 @@
-"""The device variables (SEXPGPU_DEVICES, the node variables, SEXPGPU_MEMORY, ...), parsed.
+"""Every SEXPGPU_* variable that must parse, parsed once here for run, check and doctor.
 
 Every parser here runs before anything starts a JAX backend and never imports
 JAX: `jax.distributed.initialize` and the host-device count must be set first.
+Its error names the variable, so `run` and `doctor` say the same for one value.
 """
 
 from __future__ import annotations
@@ -9,20 +10,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from sexpgpu.errors import SxError
 
 FIX_DEVICES = "list visible ordinals once each, SEXPGPU_DEVICES=0,1"
 FIX_NODES = "set all three on every node, with SEXPGPU_DEVICE=cuda"
-FIX_DIVIDES = "pick a device count that divides :microbatches"
-NODE_VARS = ("SEXPGPU_NODES", "SEXPGPU_NODE_RANK", "SEXPGPU_RENDEZVOUS", "SEXPGPU_NODE_GRADIENTS")
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+_FORCED = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +64,57 @@ def _dp005(message: str, where: str) -> SxError:
   return SxError("E-DP-005", message, where=where, fix=FIX_NODES)
 
 
-def parse_devices(value: str | None, visible: int) -> list[int]:
+def parse_device_list(value: str | None) -> list[int] | None:
+  """SEXPGPU_DEVICES as ordinals in rank order, or None when unset or blank.
+
+  Raises:
+    SxError: E-DP-001 when the value does not parse or repeats an ordinal.
+  """
+  if value is None or value.strip() == "":
+    return None
+  out: list[int] = []
+  for part in value.split(","):
+    p = part.strip()
+    if not p.isdigit():
+      raise _dp001(f"SEXPGPU_DEVICES={value} does not parse: `{p}` is not a device ordinal")
+    n = int(p)
+    if n in out:
+      raise _dp001(f"SEXPGPU_DEVICES={value} repeats ordinal {n}")
+    out.append(n)
+  return out
+
+
+def check_visible(ordinals: list[int], visible: int, kind: str = "cuda") -> list[int]:
+  """The ordinals, when each is below `visible` (how many `kind` devices there are).
+
+  Raises:
+    SxError: E-DP-001 naming the first ordinal that is not visible.
+  """
+  for n in ordinals:
+    if n >= visible:
+      err = _dp001(f"SEXPGPU_DEVICES names ordinal {n}, which is not visible ({visible} "
+                   f"{kind} device{'s' if visible != 1 else ''} visible: 0..{visible - 1})")
+      if kind == "cpu":
+        err.with_note("cpu", "a run makes one XLA host device per ordinal, up to the CPU count "
+                      "(or XLA_FLAGS' --xla_force_host_platform_device_count)")
+      raise err
+  return ordinals
+
+
+def cpu_visible(env: Mapping[str, str] | None = None) -> int:
+  """The XLA host devices a CPU run may make: XLA_FLAGS' forced count, else the CPU count."""
+  env = os.environ if env is None else env
+  forced = _FORCED.search(env.get("XLA_FLAGS", ""))
+  return int(forced.group(1)) if forced else (os.cpu_count() or 1)
+
+
+def parse_devices(value: str | None, visible: int, kind: str = "cuda") -> list[int]:
   """The data-parallel ordinals of SEXPGPU_DEVICES, in rank order.
 
   Args:
     value: the variable's text; None or blank uses every visible device.
     visible: how many devices are visible (after CUDA_VISIBLE_DEVICES).
+    kind: "cuda" or "cpu", for the message.
 
   Returns:
     The ordinals, each once, each below `visible`.
@@ -81,21 +126,8 @@ def parse_devices(value: str | None, visible: int) -> list[int]:
   if visible < 1:
     raise _dp001("no GPU is visible" + (f" for SEXPGPU_DEVICES={value}" if value else "")
                  ).with_note("visible", "0 devices (check CUDA_VISIBLE_DEVICES and the driver)")
-  if value is None or value.strip() == "":
-    return list(range(visible))
-  out: list[int] = []
-  for part in value.split(","):
-    p = part.strip()
-    if not p.isdigit():
-      raise _dp001(f"SEXPGPU_DEVICES={value} does not parse: `{p}` is not a device ordinal")
-    n = int(p)
-    if n in out:
-      raise _dp001(f"SEXPGPU_DEVICES={value} repeats ordinal {n}")
-    if n >= visible:
-      raise _dp001(f"SEXPGPU_DEVICES={value} names ordinal {n}, which is not visible "
-                   f"({visible} visible: 0..{visible - 1})")
-    out.append(n)
-  return out
+  ordinals = parse_device_list(value)
+  return list(range(visible)) if ordinals is None else check_visible(ordinals, visible, kind)
 
 
 def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
@@ -106,7 +138,8 @@ def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
     device: the run's device, "cpu" or "cuda".
 
   Returns:
-    None when SEXPGPU_NODES is unset or 1; else the parsed NodeConfig.
+    None when SEXPGPU_NODES is unset or 1 (SEXPGPU_NODE_RANK, if set, must be 0
+    then); else the parsed NodeConfig.
 
   Raises:
     SxError: E-DP-005 when SEXPGPU_NODES is not a count, SEXPGPU_NODE_RANK is not
@@ -118,17 +151,16 @@ def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
   if grads not in ("bf16", "f32"):
     raise _dp005(f"SEXPGPU_NODE_GRADIENTS={grads} is not f32 or bf16", "SEXPGPU_NODE_GRADIENTS")
   raw = _val(env, "SEXPGPU_NODES")
-  if raw is None:
-    return None
-  if not raw.isdigit() or int(raw) < 1:
+  if raw is not None and (not raw.isdigit() or int(raw) < 1):
     raise _dp005(f"SEXPGPU_NODES={raw} is not a count of nodes", "SEXPGPU_NODES")
-  nodes = int(raw)
+  nodes = 1 if raw is None else int(raw)
+  rank_s = _val(env, "SEXPGPU_NODE_RANK")
+  if (rank_s is None and nodes > 1) or (rank_s is not None and (
+      not rank_s.isdigit() or int(rank_s) >= nodes)):
+    raise _dp005(f"SEXPGPU_NODE_RANK={rank_s or '(unset)'} is not in 0..{nodes - 1} "
+                 f"(SEXPGPU_NODES={raw or '(unset)'})", "SEXPGPU_NODE_RANK")
   if nodes == 1:
     return None
-  rank_s = _val(env, "SEXPGPU_NODE_RANK")
-  if rank_s is None or not rank_s.isdigit() or int(rank_s) >= nodes:
-    raise _dp005(f"SEXPGPU_NODE_RANK={rank_s or '(unset)'} is not in 0..{nodes - 1} "
-                 f"(SEXPGPU_NODES={nodes})", "SEXPGPU_NODE_RANK")
   rdv = _val(env, "SEXPGPU_RENDEZVOUS")
   m = _HOSTPORT.match(rdv or "")
   if m is None or not 0 < int(m.group(2)) < 65536:
@@ -144,18 +176,6 @@ def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
     collectives = "gloo"
   return NodeConfig(nodes, int(rank_s), m.group(1).strip("[]"), int(m.group(2)), grads,
                     collectives)
-
-
-def check_divides(microbatches: int, ranks: int) -> None:
-  """Checks that the global microbatches split evenly over the ranks.
-
-  Raises:
-    SxError: E-DP-003 when `ranks` does not divide `microbatches`.
-  """
-  if ranks < 1 or microbatches % ranks:
-    raise SxError("E-DP-003", f"the {microbatches} global microbatches do not divide over "
-                  f"{ranks} GPUs", where="defrun :microbatches / SEXPGPU_DEVICES",
-                  fix=FIX_DIVIDES)
 
 
 def parse_memory(value: str) -> int:
@@ -197,25 +217,111 @@ def rendezvous_timeout(env: Mapping[str, str] | None = None) -> float:
   return secs
 
 
-def visible_gpus(env: Mapping[str, str] | None = None) -> int:
-  """GPUs visible without starting a backend: nvidia-smi's count, limited by CUDA_VISIBLE_DEVICES.
+def parse_stacking(value: str | None) -> int | None:
+  """SEXPGPU_STACKING: `auto` or unset (None) or a fixed degree.
 
-  Returns 0 where there is no driver. Used to check SEXPGPU_DEVICES early; the
-  device list JAX gives after start is the final word.
+  Raises:
+    SxError: E-ENV-001 when it is neither `auto` nor a positive integer.
   """
-  import shutil
-  import subprocess
+  if value is None or value.strip() in ("", "auto"):
+    return None
+  v = value.strip()
+  if not v.isdigit() or int(v) < 1:
+    raise SxError("E-ENV-001", f"SEXPGPU_STACKING={value} is not `auto` or a positive integer",
+                  where="SEXPGPU_STACKING", fix="SEXPGPU_STACKING=auto or SEXPGPU_STACKING=2")
+  return int(v)
+
+
+def parse_switch(name: str, value: str | None) -> bool:
+  """A 0/1 variable (SEXPGPU_DETERMINISTIC, SEXPGPU_DEBUG): True for 1; unset or 0 is False.
+
+  Raises:
+    SxError: E-ENV-001 for anything else (`yes`, `true`, ...), so no value is silently ignored.
+  """
+  v = "" if value is None else value.strip()
+  if v not in ("", "0", "1"):
+    raise SxError("E-ENV-001", f"{name}={value} is not 0 or 1", where=name, fix=f"{name}=1")
+  return v == "1"
+
+
+def parse_choice(name: str, value: str | None, allowed: tuple[str, ...]) -> str | None:
+  """A variable with a few allowed words (SEXPGPU_PATTERNS, SEXPGPU_CPU_COLLECTIVES).
+
+  Raises:
+    SxError: E-ENV-001 for a word not allowed.
+  """
+  if value is None or value == "":
+    return None
+  if value not in allowed:
+    raise SxError("E-ENV-001", f"{name}={value} is not " + " or ".join(allowed), where=name,
+                  fix=f"{name}={allowed[-1]}")
+  return value
+
+
+def parse_device(value: str | None) -> str:
+  """SEXPGPU_DEVICE: cpu (the default) or cuda.
+
+  Raises:
+    SxError: E-ENV-001 for another device.
+  """
+  device = value or "cpu"
+  if device not in ("cpu", "cuda"):
+    raise SxError("E-ENV-001", f"device `{device}` is not cpu or cuda", where="SEXPGPU_DEVICE",
+                  fix="cpu or cuda")
+  return device
+
+
+def parse_metrics(value: str | None) -> list:
+  """SEXPGPU_METRICS's targets (scheme and location each), errors naming the variable.
+
+  Raises:
+    SxError: E-METRICS-001 when a target does not parse.
+  """
+  from sexpgpu.track.metrics import parse  # the one parser of a metrics spec
+  return parse(value, "SEXPGPU_METRICS")
+
+
+# Each variable that parses on its own: name → parser of its text (None when unset).
+# SEXPGPU_DEVICES and the node variables need the device; `check_variables` adds them.
+VARIABLES: dict[str, Callable[[str | None], Any]] = {
+    "SEXPGPU_DEVICE": parse_device,
+    "SEXPGPU_STACKING": parse_stacking,
+    "SEXPGPU_DETERMINISTIC": lambda v: parse_switch("SEXPGPU_DETERMINISTIC", v),
+    "SEXPGPU_DEBUG": lambda v: parse_switch("SEXPGPU_DEBUG", v),
+    "SEXPGPU_PATTERNS": lambda v: parse_choice("SEXPGPU_PATTERNS", v, ("on", "off")),
+    "SEXPGPU_CPU_COLLECTIVES": lambda v: parse_choice("SEXPGPU_CPU_COLLECTIVES", v, ("gloo",)),
+    "SEXPGPU_MEMORY": lambda v: None if not v else parse_memory(v),
+    "SEXPGPU_RENDEZVOUS_TIMEOUT": lambda v: rendezvous_timeout(
+        {} if v is None else {"SEXPGPU_RENDEZVOUS_TIMEOUT": v}),
+    "SEXPGPU_METRICS": parse_metrics,
+}
+
+
+def variable_errors(env: Mapping[str, str] | None = None,
+                    device: str | None = None) -> list[tuple[str, SxError]]:
+  """(variable, its error) for each SEXPGPU_* variable of `env` that does not parse.
+
+  With `device`, SEXPGPU_DEVICES's syntax and the node variables are checked too.
+  """
   env = os.environ if env is None else env
-  smi = shutil.which("nvidia-smi")
-  if smi is None:
-    return 0
-  try:
-    out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
-  except (OSError, subprocess.SubprocessError):
-    return 0
-  n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
-  cvd = env.get("CUDA_VISIBLE_DEVICES")
-  if cvd is not None:
-    listed = [p for p in cvd.split(",") if p.strip() and p.strip() != "-1"]
-    n = min(n, len(listed)) if cvd.strip() else 0
-  return n
+  out = []
+  for name, parse in VARIABLES.items():
+    try:
+      parse(env.get(name))
+    except SxError as e:
+      out.append((name, e))
+  if device is not None:
+    for name, check in (("SEXPGPU_DEVICES", lambda: parse_device_list(env.get("SEXPGPU_DEVICES"))),
+                        ("nodes", lambda: parse_nodes(env, device))):
+      try:
+        check()
+      except SxError as e:
+        out.append((name, e))
+  return out
+
+
+def check_variables(env: Mapping[str, str] | None = None, device: str | None = None) -> None:
+  """Raises the first SEXPGPU_* variable's error (see `variable_errors`), before anything runs."""
+  errors = variable_errors(env, device)
+  if errors:
+    raise errors[0][1]

@@ -6,6 +6,8 @@ import atexit
 import os
 import threading
 
+from sexpgpu.devices.env import check_visible, cpu_visible, parse_switch
+from sexpgpu.devices.env import parse_device_list  # noqa: F401  (SEXPGPU_DEVICES's one parser)
 from sexpgpu.errors import SxError
 
 
@@ -103,11 +105,7 @@ def deterministic() -> bool:
   Raises:
     SxError: E-ENV-001 when it is neither 0 nor 1.
   """
-  v = os.environ.get("SEXPGPU_DETERMINISTIC", "")
-  if v not in ("", "0", "1"):
-    raise SxError("E-ENV-001", f"SEXPGPU_DETERMINISTIC={v} is not 0 or 1",
-                  where="SEXPGPU_DETERMINISTIC", fix="SEXPGPU_DETERMINISTIC=1")
-  return v == "1"
+  return parse_switch("SEXPGPU_DETERMINISTIC", os.environ.get("SEXPGPU_DETERMINISTIC"))
 
 
 def _autotune_dir() -> str:
@@ -186,26 +184,6 @@ def peak_bytes(device) -> int | None:
   except Exception:  # the CPU client keeps none
     return None
   return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
-
-
-def parse_device_list(value: str | None) -> list[int] | None:
-  """SEXPGPU_DEVICES as ordinals, or None when unset.
-
-  Raises:
-    SxError: E-DP-001 when it does not parse or repeats an ordinal.
-  """
-  if value is None or value.strip() == "":
-    return None
-  fix = "list visible ordinals once each, SEXPGPU_DEVICES=0,1"
-  try:
-    ords = [int(v) for v in value.split(",")]
-  except ValueError:
-    raise SxError("E-DP-001", f"SEXPGPU_DEVICES={value} does not parse", where="SEXPGPU_DEVICES",
-                  fix=fix) from None
-  if any(o < 0 for o in ords) or len(set(ords)) != len(ords):
-    raise SxError("E-DP-001", f"SEXPGPU_DEVICES={value} repeats an ordinal or names a negative one",
-                  where="SEXPGPU_DEVICES", fix=fix)
-  return ords
 
 
 class Placement:
@@ -301,7 +279,9 @@ def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Place
   """Opens the device kind and the ranks SEXPGPU_DEVICES names (all visible GPUs when unset).
 
   On `cpu`, SEXPGPU_DEVICES=0,1 makes that many XLA host devices (set before the backend
-  starts). Raises E-DP-001 for an ordinal that is not visible, E-DEV-001 without CUDA.
+  starts), up to `devices.env.cpu_visible`. One rank on a device other than the first
+  becomes JAX's default device, so what is compiled ahead of time lives there too.
+  Raises E-DP-001 for an ordinal that is not visible, E-DEV-001 without CUDA.
   """
   import jax
   if nodes_cfg is not None:
@@ -317,24 +297,27 @@ def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Place
     return Placement(kind, devs, nodes_cfg.nodes)
   if kind == "cpu":
     cpu_flags()
-    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-    if ordinals is not None and not forced:
+    if ordinals is None:
+      return _placed(kind, [jax.devices("cpu")[0]])
+    check_visible(ordinals, cpu_visible(), kind)
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
       jax.config.update("jax_num_cpu_devices", max(ordinals) + 1)
     devs = jax.devices("cpu")
-    if ordinals is None:
-      return Placement(kind, [devs[0]])
   else:
     first = open_device(kind)
     devs = jax.devices(first.platform)
     if ordinals is None:
-      return Placement(kind, list(devs))
-  missing = [o for o in ordinals if o >= len(devs)]
-  if missing:
-    raise SxError("E-DP-001", f"SEXPGPU_DEVICES names ordinal {missing[0]}, but only "
-                  f"{len(devs)} {kind} device{'s are' if len(devs) != 1 else ' is'} visible",
-                  where="SEXPGPU_DEVICES", fix="list visible ordinals once each, "
-                  "SEXPGPU_DEVICES=0,1 (CUDA_VISIBLE_DEVICES limits what is visible)")
-  return Placement(kind, [devs[o] for o in ordinals])
+      return _placed(kind, list(devs))
+  check_visible(ordinals, len(devs), kind)
+  return _placed(kind, [devs[o] for o in ordinals])
+
+
+def _placed(kind: str, devices: list) -> Placement:
+  """The Placement; one device becomes JAX's default, so what is compiled ahead of time for
+  abstract values (no sharding of their own) is compiled for it, not for device 0."""
+  import jax
+  jax.config.update("jax_default_device", devices[0] if len(devices) == 1 else None)
+  return Placement(kind, devices)
 
 
 class CompileCounter:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from sexpgpu.devices import env as devices_env
+from sexpgpu.devices.env import parse_stacking
 from sexpgpu.errors import SxError
 from sexpgpu.run.loop import RunOptions
 
@@ -15,44 +17,36 @@ def _env(name: str) -> str | None:
 
 def stacking_from_env() -> int | None:
   """SEXPGPU_STACKING: `auto` (None) or a fixed degree."""
-  v = _env("SEXPGPU_STACKING")
-  if v is None or v == "auto":
-    return None
-  try:
-    n = int(v)
-  except ValueError:
-    n = 0
-  if n < 1:
-    raise SxError("E-ENV-001", f"SEXPGPU_STACKING={v} is not `auto` or a positive integer",
-                  where="SEXPGPU_STACKING", fix="SEXPGPU_STACKING=auto or SEXPGPU_STACKING=2")
-  return n
+  return parse_stacking(_env("SEXPGPU_STACKING"))
 
 
-def check_variables() -> None:
-  """Every SEXPGPU_* variable that must parse, checked before anything runs (E-ENV-001)."""
-  from sexpgpu.devices.env import parse_memory, rendezvous_timeout
-  from sexpgpu.run.devices import deterministic
-  choices = {"SEXPGPU_PATTERNS": ("on", "off"), "SEXPGPU_CPU_COLLECTIVES": ("gloo",)}
-  for name, allowed in choices.items():
-    v = _env(name)
-    if v is not None and v not in allowed:
-      raise SxError("E-ENV-001", f"{name}={v} is not " + " or ".join(allowed), where=name,
-                    fix=f"{name}={allowed[-1]}")
-  if _env("SEXPGPU_MEMORY") is not None:
-    parse_memory(os.environ["SEXPGPU_MEMORY"])
-  rendezvous_timeout()
-  stacking_from_env()
-  deterministic()  # raises, naming the variable
+# flags whose variable the parsers check on their own: flag → the variable it overrides
+_OVERRIDES = (("metrics", "SEXPGPU_METRICS"), ("device", "SEXPGPU_DEVICE"))
+
+
+def check_variables(device: str | None = None, overridden: tuple[str, ...] = ()) -> None:
+  """Every SEXPGPU_* variable that must parse, checked before anything runs.
+
+  The parsers are devices/env.py's, the ones `doctor` reports with. A variable
+  that a flag overrides (`overridden`) is not read, so not checked.
+  """
+  env = {k: v for k, v in os.environ.items() if k not in overridden}
+  devices_env.check_variables(env, device)
 
 
 def run_options(path: str, fv) -> RunOptions:
   """The run's options from parsed flags and the environment."""
-  device = fv.device or _env("SEXPGPU_DEVICE") or "cpu"
-  if device not in ("cpu", "cuda"):
-    where = "--device" if fv.device else "SEXPGPU_DEVICE"
-    raise SxError("E-ENV-001" if not fv.device else "E-DEV-001",
-                  f"device `{device}` is not cpu or cuda", where=where, fix="cpu or cuda")
-  check_variables()
+  if fv.device and fv.device not in ("cpu", "cuda"):
+    raise SxError("E-DEV-001", f"device `{fv.device}` is not cpu or cuda", where="--device",
+                  fix="cpu or cuda")
+  device = fv.device or devices_env.parse_device(_env("SEXPGPU_DEVICE"))
+  check_variables(device, tuple(var for flag, var in _OVERRIDES if getattr(fv, flag)))
+  if fv.resume is None and _env("SEXPGPU_RESUME") == "latest" and not (
+      fv.checkpoint_dir or _env("SEXPGPU_CHECKPOINT_DIR")):
+    raise SxError("E-CKPT-001", "SEXPGPU_RESUME=latest needs a checkpoint location, and none "
+                  "was given", where="SEXPGPU_RESUME",
+                  fix="pass --checkpoint-dir DIR (or set SEXPGPU_CHECKPOINT_DIR), or unset "
+                  "SEXPGPU_RESUME")
   return RunOptions(
       file=path, device=device,
       metrics=fv.metrics if fv.metrics is not None else _env("SEXPGPU_METRICS"),
