@@ -163,7 +163,8 @@ def test_npz_of_complex_or_strings(tmp_path, capsys, bad):
   np.savez(tmp_path / "d.npz", x=bad, y=np.zeros(8, np.int64))
   p = tmp_path / "e.sx"
   p.write_text('(defloader train (arrays "d.npz" :fields [x y] :batch 4))\n'
-               '(defn loss [b] (mean (get b :x)))\n(defrun :loss loss :data train :steps 1 :optimizer (sgd :lr 0.1))\n')
+               '(defn loss [b] (mean (get b :x)))\n'
+               '(defrun :loss loss :data train :steps 1 :optimizer (sgd :lr 0.1))\n')
   code, _, err = cli(capsys, "check", str(p))
   assert code == 1 and "error[E-LOAD-001]" in err and bad.dtype.name in err
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 # The stop signals are caught before anything slow is imported: a signal during start-up
 # stops the run cleanly (status `stopped`, exit 128 + n), never by the default handler.
+import os
+import sys
+
 from sexpgpu.run import signals as _signals
 
-_signals.install()
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "sexpgpu":
+  _signals.install()  # the console script; an importer (a test) keeps its own handlers
 
-import os  # noqa: E402
-import sys  # noqa: E402
 import traceback  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -18,6 +20,7 @@ from absl import flags  # noqa: E402
 
 from sexpgpu.cli import help as _help  # noqa: E402
 from sexpgpu.errors import SxError  # noqa: E402
+from sexpgpu.lang.blame import guarded  # noqa: E402
 from sexpgpu.run import output  # noqa: E402
 
 
@@ -104,36 +107,6 @@ def _one_file(rest: list[str], command: str) -> str:
   return rest[0]
 
 
-def compile_guarded(path: str, variant, sets, overrides, diagnostics, build):
-  """Runs `build()` (a compile of `path`), turning what the build raises into SxErrors.
-
-  A Python error in the evaluator (a recursion too deep, a static division by zero)
-  becomes an SxError at the form being evaluated; an error inside the standard library
-  is placed at the user's knob that carried the value (sexpgpu.lang.blame).
-  """
-  from sexpgpu.lang import blame
-  from sexpgpu.reader.read import deep_recursion
-  try:
-    with deep_recursion():
-      return build()
-  except (RecursionError, ArithmeticError) as e:
-    err = blame.build_failure(e)
-  except SxError as e:
-    err = e
-  try:
-    from sexpgpu.lang.program import load_program
-    from sexpgpu.lang.select import select
-    program = load_program(path)
-    selection = select(program, variant, list(sets), overrides,
-                       os.environ.get("SEXPGPU_RUN_SLUG") or None)
-    blamed = blame.blame(err, program, selection)
-  except SxError:
-    blamed = err  # the file itself does not load: the original error says why
-  if blamed is err:
-    raise err
-  raise blamed from None
-
-
 def cmd_run(argv: list[str]) -> int:
   """compile and train an experiment in this process"""
   fv = _run_flags()
@@ -156,7 +129,7 @@ def cmd_run(argv: list[str]) -> int:
   _STARTUP["status"] = opts.status
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
   try:
-    compiled = compile_guarded(path, variant, sets, overrides, fv.diagnostics,
+    compiled = guarded(path, variant, sets, overrides, fv.diagnostics,
                                lambda: compile_file(path, variant, sets, overrides,
                                                     fv.diagnostics))
   except SxError as e:
@@ -167,6 +140,7 @@ def cmd_run(argv: list[str]) -> int:
         e.fix = hint
         e.args = (e.render(),)
     raise
+  _signals.FLAG.check()  # a signal that a library swallowed while start-up ran
   summary = run_compiled(compiled, opts)
   _signals.FLAG.raising = False  # the run has ended: a late signal does not undo it
   if fv.json:
@@ -184,7 +158,7 @@ def cmd_check(argv: list[str]) -> int:
   device = fv.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
   sets = _sets(fv.set)
-  text = compile_guarded(path, fv.variant, sets, overrides, fv.diagnostics,
+  text = guarded(path, fv.variant, sets, overrides, fv.diagnostics,
                          lambda: check(path, fv.variant, sets, fv.diagnostics, fv.print, device,
                                        overrides))
   output.write(sys.stdout, text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import traceback
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from sexpgpu.errors import Loc, SxError
 from sexpgpu.lang.program import STD_DIR, Program
@@ -15,6 +15,49 @@ from sexpgpu.reader.forms import head_symbol
 
 # Which source of a knob's value to suspect first: the one the user just typed.
 _SUSPECT = {"set": 0, "override": 1, "variant": 2, "stage": 3, "file": 4}
+
+
+def guarded(path: str, variant, sets, overrides, diagnostics,
+            build: Callable[[], Any]) -> Any:
+  """Runs `build()` (a compile of `path`), turning what the build raises into SxErrors.
+
+  A Python error in the evaluator (a recursion too deep, a static division by zero)
+  becomes an SxError at the form being evaluated (`build_failure`); an error inside the
+  standard library is placed at the user's knob that carried the value (`blame`). The
+  CLI's run and check use it; so should every other caller of compile_file.
+
+  Args:
+    path: the experiment file `build` compiles.
+    variant, sets, overrides: its selection, as given to compile_file.
+    diagnostics: unused here (the selection does not depend on it).
+    build: the compile, called once.
+
+  Returns:
+    What `build()` returns.
+
+  Raises:
+    SxError: every error of the build.
+  """
+  from sexpgpu.lang.program import load_program
+  from sexpgpu.lang.select import select
+  from sexpgpu.reader.read import deep_recursion
+  try:
+    with deep_recursion():
+      return build()
+  except (RecursionError, ArithmeticError) as e:
+    err = build_failure(e)
+  except SxError as e:
+    err = e
+  try:
+    program = load_program(path)
+    selection = select(program, variant, list(sets), overrides,
+                       os.environ.get("SEXPGPU_RUN_SLUG") or None)
+    blamed = blame(err, program, selection)
+  except SxError:
+    blamed = err  # the file itself does not load: the original error says why
+  if blamed is err:
+    raise err
+  raise blamed from None
 
 
 def build_failure(exc: BaseException) -> SxError:
@@ -101,7 +144,8 @@ def blame(err: SxError, program: Program, selection: Selection) -> SxError:
     call = next(c for c, ks in calls if (kw, k) in ks)
     lo, hi = v - v % d, v - v % d + d
     return _at_knob(err, program, selection, k, f"knob {k} = {v} must divide by {div_k} = {d}",
-                    call, f"make {k} a multiple of {div_k}: " + (f"{lo} or {hi}" if lo else f"{hi}"))
+                    call, f"make {k} a multiple of {div_k}: "
+                    + (f"{lo} or {hi}" if lo else f"{hi}"))
   call = calls[0][0]
   return err.with_note("called at", f"{call.loc} ({_short(call)})")
 

@@ -130,7 +130,8 @@ def read_source(path: str, display: str | None = None) -> str:
     line = before.count("\n") + 1
     col = len(before) - (before.rfind("\n") + 1) + 1
     raise SxError("E-READ-003", f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8 "
-                  "text: this looks like a binary file", location=Loc(shown, line, col, line, col + 1),
+                  "text: this looks like a binary file",
+                  location=Loc(shown, line, col, line, col + 1),
                   fix="an experiment is a UTF-8 text file; check that this is the .sx you meant"
                   ) from None
   return text[1:] if text.startswith(_BOM) else text

@@ -20,7 +20,8 @@ TOP_FORMS = {
                 "load another file once (relative to the requiring file) or a std library file"),
     "defknob": ('(defknob NAME DEFAULT ["doc"] [:choices [...]] [:min X] [:max Y])',
                 "a named setting, overridable by --set and variants; its type is its default's"),
-    "defvariant": ("(defvariant NAME (KNOB VALUE) ...)", "a named set of knob values (--variant NAME)"),
+    "defvariant": ("(defvariant NAME (KNOB VALUE) ...)",
+                   "a named set of knob values (--variant NAME)"),
     "def": ("(def NAME EXPR)", "a static value computed from knobs"),
     "defn": ("(defn NAME [PARAMS :kw DEFAULT ...] BODY...)",
              "a function; keyword parameters with defaults follow the positional ones"),
@@ -103,7 +104,8 @@ LOADERS = {
 
 OPS = {
     "+": "(+ A B ...) sum, broadcasting", "-": "(- A B) or (- A) difference",
-    "*": "(* A B ...) product, broadcasting", "/": "(/ A B) quotient; of static ints an int if exact",
+    "*": "(* A B ...) product, broadcasting",
+    "/": "(/ A B) quotient; of static ints an int if exact",
     "pow": "(pow A B)", "neg": "(neg X)", "abs": "(abs X)", "exp": "(exp X)", "log": "(log X)",
     "sqrt": "(sqrt X)", "rsqrt": "(rsqrt X) 1/sqrt", "square": "(square X)", "tanh": "(tanh X)",
     "sin": "(sin X)", "cos": "(cos X)",
@@ -117,7 +119,8 @@ OPS = {
     "logsumexp": "(logsumexp X [AXES] :keep B)", "argmax": "(argmax X AXIS)",
     "reshape": "(reshape X SHAPE)", "transpose": "(transpose X PERM)",
     "concat": "(concat [X Y ...] AXIS)", "split": "(split X N AXIS) N equal parts",
-    "slice": "(slice X AXIS START END), END nil to the end", "take": "(take TABLE INDICES) along axis 0",
+    "slice": "(slice X AXIS START END), END nil to the end",
+    "take": "(take TABLE INDICES) along axis 0",
     "one-hot": "(one-hot X N)", "dim": "(dim X AXIS) static", "shape": "(shape X) static vector",
     "rank": "(rank X) static", "expand": "(expand X AXIS)", "squeeze": "(squeeze X AXIS)",
     "broadcast": "(broadcast X SHAPE)",
@@ -131,8 +134,10 @@ OPS = {
     "zeros": "(zeros SHAPE :dtype D); as :init, zeros",
     "ones": "(ones SHAPE :dtype D); as :init, ones",
     "full": "(full SHAPE V :dtype D)", "iota": "(iota N)",
+    "nil?": "(nil? V) static: whether V is nil",
     "normal": "(normal STD) initializer", "truncated-normal": "(truncated-normal STD) initializer",
-    "uniform": "(uniform LIMIT) initializer", "constant": "(constant V) initializer or learning rate",
+    "uniform": "(uniform LIMIT) initializer",
+    "constant": "(constant V) initializer or learning rate",
     "fan-in": "(fan-in SCALE) initializer: normal, std SCALE/sqrt(fan-in)",
     "sgd": "optimizer", "momentum": "optimizer", "adam": "optimizer", "adamw": "optimizer",
     "lion": "optimizer", "adafactor": "optimizer",
@@ -154,6 +159,8 @@ STD = {
     "next-token-loss": "cross-entropy of logits against the next tokens",
     "accuracy": "the fraction of argmax predictions equal to the targets",
     "mlp-classifier": "an MLP from features to :classes logits",
+    "same-doc": "attention scores kept only where query and key share a packed document"
+                " (nil segments: all)",
 }
 
 
