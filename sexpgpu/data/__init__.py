@@ -7,9 +7,11 @@ from sexpgpu.data.base import Context, Loader
 from sexpgpu.data.spec import LoaderSpec, bind_args
 from sexpgpu.errors import SxError, did_you_mean
 
-__all__ = ["KINDS", "Loader", "LoaderSpec", "make_loader"]
+__all__ = ["KINDS", "Loader", "LoaderSpec", "keywords", "make_loader", "takes_file"]
 
-# Every loader kind and its class; the class's `arg_table` lists its keywords.
+# Every loader kind and its class; the class's `arg_table` lists its keywords. A new loader
+# is registered here and nowhere else: `defloader` (front/experiment.py), `check` and the
+# language reference read its keywords from its table.
 KINDS: dict[str, type[Loader]] = {
     "markov": synthetic.MarkovLoader,
     "copy": synthetic.TaskLoader,
@@ -22,6 +24,21 @@ KINDS: dict[str, type[Loader]] = {
     "mix": mix.MixLoader,
     "text": text.TextLoader,
 }
+
+
+# Table entries that are not `:keyword`s: a file kind's path is written first, a mix's
+# components are its (WEIGHT LOADER) pairs.
+POSITIONAL = ("path", "components")
+
+
+def keywords(kind: str) -> tuple[str, ...]:
+  """The `:keyword`s that loader `kind` takes, from its class's arg_table (required first)."""
+  return tuple(k for k in KINDS[kind].arg_table.known() if k not in POSITIONAL)
+
+
+def takes_file(kind: str) -> bool:
+  """Whether loader `kind` reads a file (or s3:// URI) written before its keywords."""
+  return "path" in KINDS[kind].arg_table.required
 
 
 def make_loader(spec: LoaderSpec, seed: int = 0, cache_dir: str | None = None,

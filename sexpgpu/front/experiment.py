@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sexpgpu.data import KINDS as LOADER_CLASSES, keywords as loader_keywords, takes_file
+from sexpgpu.data.spec import LoaderSpec, bind_args
 from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
 from sexpgpu.front.prims import BUILTINS, DTYPE_VALUES
@@ -14,19 +16,10 @@ from sexpgpu.lang.select import RUN_KNOBS, Selection
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
 from sexpgpu.reader.forms import head_symbol
 
-LOADER_KINDS = {
-    "markov": ("vocab", "seq", "batch", "seed", "branching", "stream", "shuffle", "split"),
-    "copy": ("vocab", "seq", "batch", "stream", "shuffle", "split"),
-    "reverse": ("vocab", "seq", "batch", "stream", "shuffle", "split"),
-    "sort": ("vocab", "seq", "batch", "stream", "shuffle", "split"),
-    "add": ("digits", "seq", "batch", "stream", "shuffle", "split", "vocab"),
-    "tokens": ("dtype", "seq", "batch", "stream", "shuffle", "split", "vocab"),
-    "bytes": ("seq", "batch", "stream", "shuffle", "split"),
-    "arrays": ("fields", "batch", "stream", "shuffle", "split"),
-    "mix": ("batch", "stream", "shuffle"),
-    "text": ("seq", "batch", "pack", "split", "shuffle", "stream", "seed"),
-}
-FILE_LOADERS = ("tokens", "bytes", "arrays", "text")
+# Each loader kind's keywords, read from the loaders' own tables (sexpgpu.data.KINDS).
+LOADER_KINDS = {kind: loader_keywords(kind) for kind in LOADER_CLASSES}
+# Loader keywords whose symbol is a name, not a variable: `:pack docs`, `:dtype u16`.
+NAME_KEYWORDS = ("pack", "dtype")
 DIAG_KINDS = ("grad-norm", "param-norm", "update-ratio", "tap")
 REDUCERS = ("mean", "max", "min", "sum", "rms")
 
@@ -194,7 +187,7 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
                   fix=(did_you_mean(str(kind), LOADER_KINDS) + " " if kind else "")
                   + "kinds: " + " ".join(LOADER_KINDS))
   pos, kws, locs = split_keywords(spec, 1, LOADER_KINDS[kind], f"loader kind {kind}")
-  args = {k: (_field_names(f) if k == "fields" else _symbol_name(f) if k == "pack"
+  args = {k: (_field_names(f) if k == "fields" else _symbol_name(f) if k in NAME_KEYWORDS
               else _static(b, f, env, f"loader {name} :{k}"))
           for k, f in kws.items()}
   if kind == "mix":
@@ -214,7 +207,7 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
         sub_decl = _loader_spec(b, f"{name}.{len(comps)}", sub, env, program, known)
       comps.append((float(w), sub_decl))
     args["components"] = comps
-  elif kind in FILE_LOADERS:
+  elif takes_file(kind):
     if len(pos) != 1:
       raise SxError("E-FORM-001", f"loader {name}: {kind} takes one file path",
                     location=spec.loc, fix=f'({kind} "data.bin" ...)')
@@ -228,16 +221,16 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
   elif pos:
     raise SxError("E-FORM-001", f"loader {name}: {kind} takes keyword arguments only",
                   location=pos[0].loc, fix=f"({kind} :seq 16 :batch 4 ...)")
-  if kind != "mix" and "batch" not in args:
-    raise SxError("E-FORM-001", f"loader {name} needs :batch", location=spec.loc,
-                  fix="add :batch N (records per microbatch)")
   if "dtype" in args:
     args["dtype"] = str(args["dtype"])
+  # the loader's own check of its required keywords, as make_loader runs it
+  bind_args(LoaderSpec(name, str(kind), args, program.base_dir, spec.loc),
+            LOADER_CLASSES[kind].arg_table)
   return LoaderDecl(name, str(kind), args, program.base_dir, spec.loc)
 
 
 def _symbol_name(form: Form) -> Any:
-  """`:pack docs` names a packing: the symbol is a name, not a variable."""
+  """`:pack docs` names a packing, `:dtype u16` a dtype: the symbol is a name, not a variable."""
   if isinstance(form, Atom) and isinstance(form.value, Symbol):
     return str(form.value)
   return form.value if isinstance(form, Atom) else str(form)
