@@ -173,6 +173,10 @@ def test_missing_cache_and_bad_pack_are_coded(tmp_path):
   with pytest.raises(SxError) as e:
     loader(tmp_path / "c", seq=8, batch=4)
   assert e.value.code == "E-LOAD-002"
+  with pytest.raises(SxError) as e:
+    loader(tmp_path / "c", seq=4, batch=2, vocab=1000)
+  assert e.value.code == "E-LOAD-003" and "more than :vocab 1000" in str(e.value)
+  assert loader(tmp_path / "c", seq=4, batch=2, vocab=1 << 20).vocab == 1 << 20
 
 
 EXP = """;; a text LM over a token cache, for the resume test

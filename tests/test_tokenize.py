@@ -77,7 +77,10 @@ def test_sigkill_mid_way_then_rerun_equals_one_go(tmp_path):
   p = subprocess.Popen(_tokenize_cmd(sources, cache, "--train-bpe", "600"), cwd=ROOT,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 120
-  while not (cache / "shard-00000.bin").exists() and p.poll() is None and time.time() < deadline:
+  while p.poll() is None and time.time() < deadline:  # until the manifest holds a first shard
+    m = textcache.read_manifest(str(cache)) if (cache / "shard-00000.idx").exists() else None
+    if m is not None and m["shards"]:
+      break
     time.sleep(0.002)
   p.send_signal(signal.SIGKILL)
   p.wait(timeout=30)

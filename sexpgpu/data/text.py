@@ -35,7 +35,7 @@ class _Order(RecordOrder):
 
 
 class TextLoader(base.Loader):
-  """`(text "cache/" :seq N :batch B [:pack concat|docs] [:split [a b]] [:shuffle] [:stream K] [:seed S])`.
+  """`(text "cache/" :seq N :batch B [:pack concat|docs] [:split [a b]] [:vocab V] [:shuffle] ...)`.
 
   The cache is what `sexpgpu tokenize` writes (a folder, or s3:// / gs://
   fetched shard by shard into the data cache). `:split [a b]` keeps documents
@@ -44,7 +44,9 @@ class TextLoader(base.Loader):
   places whole documents (a longer one cut into pieces of N) into rows first-fit
   in order, the rest of a row padding. Rows are fixed by the cache and the
   arguments; `:shuffle` permutes them each epoch by (run seed, `:seed`, stream,
-  epoch), so record p is a pure function of those and p. Each record has
+  epoch), so record p is a pure function of those and p (`:shuffle`, `:stream`,
+  `:seed S`). `:vocab V` checks that the cache's tokenizer fits a model of V
+  tokens. Each record has
   `:tokens` (padding is the end-of-document id), `:segments` (1, 2, 3 … per
   document in the row, 0 for padding) and `:positions` (inside the document's
   piece in the row, from 0), all int32[N].
@@ -53,7 +55,7 @@ class TextLoader(base.Loader):
   kind = "text"
   arg_table = ArgTable(("path", "seq", "batch"),
                        {"pack": "concat", "split": (0, 1), "shuffle": None, "stream": 0,
-                        "seed": 0})
+                        "seed": 0, "vocab": 0})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
@@ -78,6 +80,10 @@ class TextLoader(base.Loader):
     self.manifest, files = _open_cache(spec, self.uri, ctx.cache_dir)
     self.eos = int(self.manifest["tokenizer"]["eos_id"])
     self.vocab = int(self.manifest["tokenizer"]["vocab"])
+    if args["vocab"] and positive_int(spec, args, "vocab") < self.vocab:
+      raise load_error("E-LOAD-003", spec, self.uri,
+                       f"the cache's tokenizer has {self.vocab} tokens, more than :vocab "
+                       f"{args['vocab']}", f"raise :vocab (and the model's) to at least {self.vocab}")
     self._shards, starts, ends = self._read_shards(files)
     total = len(starts)
     d0, d1 = math.floor(split[0] * total), math.floor(split[1] * total)
