@@ -186,3 +186,23 @@ def test_cli_errors_have_codes_and_no_traceback(tmp_path):
     assert r.stderr.startswith(f"error[{code}]"), r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
   assert not os.path.exists(tmp_path / "c" / "shard-00000.bin")
+
+
+def test_progress_bar_draws_and_a_pipe_gets_one_summary_line(tmp_path):
+  import io
+  import sys
+  from rich.console import Console
+  from sexpgpu.tools import tokenize as tk
+  stream = io.StringIO()
+  old = sys.stderr
+  sys.stderr = stream
+  try:
+    tk.tokenize(Options(tuple(SHIPPED), str(tmp_path / "c"), train_bpe=300), progress=True)
+  finally:
+    sys.stderr = old
+  assert "tokenize" in stream.getvalue() and "files" in stream.getvalue()
+  r = subprocess.run(_tokenize_cmd(SHIPPED, tmp_path / "d", "--train-bpe", "300"), cwd=ROOT,
+                     capture_output=True, text=True, timeout=120)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 0 and len(lines) == 1 and lines[0].startswith("tokenize: ")
+  assert f"{len(SHIPPED)} sources" in lines[0] and "MB/s" in lines[0]

@@ -305,7 +305,7 @@ class _Progress:
                         TextColumn("{task.fields[files]}/" + str(files) + " files"),
                         TextColumn("{task.fields[docs]} docs {task.fields[tokens]} tokens"),
                         TransferSpeedColumn(), TimeRemainingColumn(),
-                        console=Console(file=sys.stderr), transient=True)
+                        console=Console(file=sys.stderr, force_terminal=True), transient=True)
     self.task = self.bar.add_task("tokenize", total=total_bytes, files=0, docs=0, tokens=0)
     self.bar.start()
 

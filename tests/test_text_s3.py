@@ -1,0 +1,77 @@
+"""Text on s3://: `tokenize` reads a prefix, the `text` loader fetches a cache shard by shard."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from sexpgpu.data import make_loader, textcache
+from sexpgpu.data.spec import LoaderSpec
+from sexpgpu.errors import SxError
+from sexpgpu.tools.tokenize import Options, tokenize
+
+try:
+  from tests.s3server import moto_server, s3_env
+except ImportError:
+  from s3server import moto_server, s3_env
+
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "data", "*.txt")))
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+  with moto_server() as url:
+    yield url
+
+
+@pytest.fixture
+def s3(endpoint, monkeypatch):
+  import s3fs  # pylint: disable=import-outside-toplevel
+  for key, value in s3_env(endpoint).items():
+    monkeypatch.setenv(key, value)
+  fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+  if not fs.exists("text-bucket"):
+    fs.mkdir("text-bucket")
+  return fs
+
+
+def _bins(cache):
+  return {n: open(os.path.join(cache, n), "rb").read() for n in sorted(os.listdir(cache))
+          if n.startswith("shard-") or n == "tokenizer.json"}
+
+
+def test_s3_sources_and_cache_match_local(s3, tmp_path):
+  for path in SHIPPED:
+    s3.put_file(path, f"text-bucket/corpus/{os.path.basename(path)}")
+  remote_cache, local_cache = str(tmp_path / "remote"), str(tmp_path / "local")
+  s = tokenize(Options(("s3://text-bucket/corpus/",), remote_cache, train_bpe=300),
+               progress=False)
+  tokenize(Options(tuple(SHIPPED), local_cache, train_bpe=300), progress=False)
+  assert s.sources == len(SHIPPED)
+  assert _bins(remote_cache) == _bins(local_cache)
+  m = textcache.read_manifest(remote_cache)
+  assert [e["source"] for e in m["shards"]] == [
+      f"s3://text-bucket/corpus/{os.path.basename(p)}" for p in SHIPPED]
+  again = tokenize(Options(("s3://text-bucket/corpus/*.txt",), remote_cache, train_bpe=300),
+                   progress=False)
+  assert again.skipped == len(SHIPPED)
+  # the cache on s3, read by the loader shard by shard into the data cache
+  for name in os.listdir(local_cache):
+    s3.put_file(os.path.join(local_cache, name), f"text-bucket/cache/{name}")
+  args = {"seq": 16, "batch": 4, "pack": "docs"}
+  far = make_loader(LoaderSpec("train", "text", {"path": "s3://text-bucket/cache/", **args}),
+                    seed=2, cache_dir=str(tmp_path / "data"))
+  near = make_loader(LoaderSpec("train", "text", {"path": local_cache, **args}), seed=2)
+  assert far.records == near.records
+  for i in (0, 3, 11):
+    for k in near.fields:
+      np.testing.assert_array_equal(far.batch(i)[k], near.batch(i)[k])
+
+
+def test_s3_empty_prefix_is_e_tok_001(s3, tmp_path):
+  with pytest.raises(SxError) as e:
+    tokenize(Options(("s3://text-bucket/nothing-here/",), str(tmp_path / "c"), train_bpe=300),
+             progress=False)
+  assert e.value.code == "E-TOK-001" and "s3://text-bucket/nothing-here/" in str(e.value)
