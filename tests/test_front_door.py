@@ -246,3 +246,16 @@ def test_closed_standard_error_is_no_crash(tmp_path):
   st = json.loads(status.read_text())
   assert st["state"] == "done" and st["step"] == 30
   assert st["checkpoint"] and st["checkpoint"]["step"] == 30
+
+
+@pytest.mark.parametrize("value", ["4294967296", "9223372036854775807"])
+def test_integer_knob_beyond_int32(capsys, value):
+  """Found by benchmarks/fuzz.py: such a layer count overflowed inside a jitted call."""
+  code, _, err = cli(capsys, "run", TINY, "--variant", "smoke", "--steps", "1",
+                     "--set", f"layers={value}")
+  assert code == 1 and "error[E-KNOB-003]" in err and "32-bit" in err
+
+
+def test_seed_may_be_64_bit(capsys):
+  code, _, err = cli(capsys, "check", TINY, "--set", "seed=9223372036854775807")
+  assert code == 0, err

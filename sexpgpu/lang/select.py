@@ -18,13 +18,18 @@ from sexpgpu.reader.read import INT_LIMIT
 RUN_KNOBS: dict[str, Any] = {
     "steps": None, "microbatches": 1, "seed": 0, "precision": Symbol("f32"),
     "checkpoint-every": 0, "keep": 3, "on-nan": Symbol("stop"),
+    "sharding": Symbol("replicate"),
 }
+# Integer knobs other than the seed reach the step as int32 (sizes, counts, steps).
+INT32_LIMIT = 2**31
 # The largest float32: a float knob reaches the step as one, so a larger value is infinite.
 F32_MAX = 3.4028234663852886e38
-RUN_CHOICES = {"precision": ("f32", "bf16"), "on-nan": ("stop", "skip")}
+RUN_CHOICES = {"precision": ("f32", "bf16"), "on-nan": ("stop", "skip"),
+               "sharding": ("replicate", "fsdp", "hsdp")}
 RUN_MIN = {"steps": 0, "microbatches": 1, "checkpoint-every": 0, "keep": 1, "seed": 0}
 # Knobs outside the experiment's identity: a longer resume is the same run.
-NOT_IN_FINGERPRINT = ("steps", "eval-every", "checkpoint-every", "keep")
+# :sharding is where the state lives, not what is computed: a resume may change it.
+NOT_IN_FINGERPRINT = ("steps", "eval-every", "checkpoint-every", "keep", "sharding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +127,10 @@ def format_value(v: Any) -> str:
 def _check_range(name: str, value: Any, choices, lo, hi, where=None, loc=None) -> None:
   def err(msg, fix):
     return SxError("E-KNOB-003", msg, where=where, location=loc, fix=fix)
+  if (isinstance(value, int) and not isinstance(value, bool) and name != "seed"
+      and not -INT32_LIMIT <= value < INT32_LIMIT):
+    raise err(f"knob {name} = {value} does not fit in a 32-bit integer",
+              f"sizes and counts reach the step as int32: keep {name} below {INT32_LIMIT}")
   if choices is not None and value not in choices:
     raise err(f"knob {name} = {format_value(value)} is not one of its choices",
               "choose one of " + ", ".join(format_value(c) for c in choices))
