@@ -70,6 +70,27 @@ def test_s3_sources_and_cache_match_local(s3, tmp_path):
       np.testing.assert_array_equal(far.batch(i)[k], near.batch(i)[k])
 
 
+def test_s3_cache_written_by_tokenize_and_resumed(s3, tmp_path, monkeypatch):
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "staging"))
+  local_cache = str(tmp_path / "local")
+  tokenize(Options(tuple(SHIPPED), local_cache, train_bpe=300), progress=False)
+  s = tokenize(Options(tuple(SHIPPED), "s3://text-bucket/out", train_bpe=300), progress=False)
+  assert s.sources == len(SHIPPED) and s.skipped == 0
+  names = sorted(p.rsplit("/", 1)[-1] for p in s3.ls("text-bucket/out"))
+  assert names == sorted(os.listdir(local_cache))
+  for name in names:
+    assert s3.cat_file(f"text-bucket/out/{name}") == open(os.path.join(local_cache, name), "rb").read()
+  s3.rm("text-bucket/out/shard-00001.bin")  # a shard lost: only it is made again
+  again = tokenize(Options(tuple(SHIPPED), "s3://text-bucket/out", train_bpe=300),
+                   progress=False)
+  assert again.skipped == len(SHIPPED) - 1
+  assert s3.cat_file("text-bucket/out/shard-00001.bin") == open(
+      os.path.join(local_cache, "shard-00001.bin"), "rb").read()
+  staging = glob.glob(str(tmp_path / "staging" / "tokenize" / "*"))
+  assert len(staging) == 1 and os.path.isfile(os.path.join(staging[0], "manifest.json"))
+  assert not glob.glob(os.path.join(staging[0], "shard-*"))  # uploaded shards are not kept
+
+
 def test_s3_empty_prefix_is_e_tok_001(s3, tmp_path):
   with pytest.raises(SxError) as e:
     tokenize(Options(("s3://text-bucket/nothing-here/",), str(tmp_path / "c"), train_bpe=300),

@@ -102,6 +102,10 @@ def test_rerun_skips_and_a_changed_source_is_redone(tmp_path):
   before = _files(cache)
   s = tokenize(Options(tuple(sources), cache, train_bpe=300), progress=False)
   assert s.skipped == 3 and _files(cache) == before
+  with open(os.path.join(cache, "shard-00002.bin"), "r+b") as f:  # a shard cut short
+    f.truncate(10)
+  s = tokenize(Options(tuple(sources), cache, train_bpe=300), progress=False)
+  assert s.skipped == 2 and _files(cache) == before
   with open(sources[1], "a", encoding="utf-8") as f:
     f.write("\n\nA new paragraph at the end.")
   tok = str(tmp_path / "tok.json")
