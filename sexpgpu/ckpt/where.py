@@ -7,8 +7,8 @@ import re
 from typing import Any
 
 from sexpgpu.errors import SxError
+from sexpgpu.paths import is_remote  # noqa: F401  (ckpt/ imports it from here)
 
-REMOTE_SCHEMES = ("s3://", "gs://")
 # The marker written last into a remote step folder: a step counts only with it.
 COMMIT = "COMMIT"
 # What orbax writes just before it renames a local tmp folder into place.
@@ -17,11 +17,6 @@ _SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN
                 "GOOGLE_APPLICATION_CREDENTIALS")
 _URL_USER = re.compile(r"(//)[^/@\s]+@")
 _SIGNED = re.compile(r"(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s]+", re.I)
-
-
-def is_remote(location: str) -> bool:
-  """True for an `s3://` or `gs://` location."""
-  return location.startswith(REMOTE_SCHEMES)
 
 
 def join(base: str, *parts: Any) -> str:

@@ -280,11 +280,9 @@ def _stopped(e: _signals.Stopped) -> int:
     status.update(pid=os.getpid(), state="stopped", stopped_by=_signals.SIGNALS.get(e.signum),
                   updated_at=now, error=None)
     status.setdefault("started_at", now)
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-      with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(status, f)
-      os.replace(tmp, path)
+      from sexpgpu.paths import write_atomic
+      write_atomic(path, json.dumps(status))
     except OSError:
       pass
   return e.exit_code

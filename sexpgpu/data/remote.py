@@ -8,19 +8,8 @@ import os
 from typing import Any
 
 from sexpgpu.data.spec import LoaderSpec, load_error, redact
-
-# Each remote scheme and the fsspec package that reads it.
-_PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
-
-
-def default_cache_dir() -> str:
-  """`SEXPGPU_CACHE_DIR`, or `~/.cache/sexpgpu`."""
-  return os.environ.get("SEXPGPU_CACHE_DIR") or os.path.expanduser("~/.cache/sexpgpu")
-
-
-def is_remote(path: str) -> bool:
-  """Whether a loader path names an object store (s3://, gs://)."""
-  return path.split("://", 1)[0].lower() in _PACKAGES if "://" in path else False
+from sexpgpu.paths import REMOTE_PACKAGES, is_remote, scheme  # noqa: F401  (is_remote: for data/)
+from sexpgpu.paths import cache_dir as default_cache_dir
 
 
 def resolve(spec: LoaderSpec, path: str, cache_dir: str | None) -> str:
@@ -109,7 +98,7 @@ def _filesystem(spec: LoaderSpec, uri: str):
   try:
     return fsspec.core.url_to_fs(uri, **options)
   except ImportError:
-    package = _PACKAGES[uri.split("://", 1)[0].lower()]
+    package = REMOTE_PACKAGES[scheme(uri)]
     raise load_error("E-LOAD-004", spec, uri, f"cannot read this store: {package} is not installed",
                      f"pip install {package}") from None
   except ValueError as e:

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from sexpgpu import paths
+
 FORMAT = "sexpgpu-token-cache/1"
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -38,10 +40,7 @@ def dumps(manifest: dict[str, Any]) -> str:
 
 def write_atomic(path: str, data: bytes) -> None:
   """Writes a file under a temporary name in the same folder, then renames it into place."""
-  tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{os.getpid()}")
-  with open(tmp, "wb") as f:
-    f.write(data)
-  os.replace(tmp, path)
+  paths.write_atomic(path, data)
 
 
 def read_manifest(folder: str) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 
 from sexpgpu.devices import env as denv
 from sexpgpu.errors import SxError
+from sexpgpu.paths import cache_dir
 
 MIN_DRIVER = 580
 MIN_CC = (8, 0)
@@ -257,8 +258,7 @@ def check_variables(environ: Mapping[str, str]) -> list[Check]:
 
 
 def check_cache(environ: Mapping[str, str]) -> Check:
-  cache = environ.get("SEXPGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                            "sexpgpu")
+  cache = cache_dir(environ)
   try:
     os.makedirs(cache, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cache, prefix=".doctor-") as f:

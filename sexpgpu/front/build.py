@@ -74,7 +74,7 @@ class Builder:
 
   # --- entry points ----------------------------------------------------------
   def build(self, name: str, fn: Any, fields: dict[str, tuple[str, tuple[int, ...]]],
-            allow_new_params: bool = True, extra_args: tuple = ()) -> Graph:
+            allow_new_params: bool = True, extra_args: tuple = ()) -> tuple[Graph, Any]:
     """Builds the graph of `fn(batch)` on abstract inputs.
 
     Args:
@@ -82,6 +82,10 @@ class Builder:
       fn: a Closure taking the batch.
       fields: the batch's fields: name → (dtype, shape of one microbatch).
       allow_new_params: False for pass metrics (a parameter only they create is E-RUN-002).
+      extra_args: further arguments after the batch.
+
+    Returns:
+      (the graph, fn's value): the graph's output is that value when it is a tensor.
     """
     self._reset()
     self.allow_new_params = allow_new_params
@@ -108,13 +112,10 @@ class Builder:
       head = form.items[0]
       if isinstance(head, Atom) and isinstance(head.value, Symbol):
         hname = str(head.value)
-        if hname in SPECIAL_FORMS and not self._shadowed(hname, env):
+        if hname in SPECIAL_FORMS:
           return getattr(self, "_sf_" + hname)(form, env)
       return self.call_form(form, env)
     raise SxError("E-FORM-001", f"cannot evaluate `{form}`", location=form.loc, fix="")
-
-  def _shadowed(self, name: str, env: Env) -> bool:
-    return False
 
   def lookup(self, name: str, form: Form, env: Env) -> Any:
     try:

@@ -8,7 +8,6 @@ from typing import Any, Iterator
 
 from sexpgpu.errors import Loc
 
-Literal = int | float | bool
 _ids = itertools.count()
 
 

@@ -18,12 +18,7 @@ from sexpgpu.ir.printer import fingerprint, print_graph
 from sexpgpu.ir.rewrite import rewrite
 from sexpgpu.lang.program import Program, load_program, load_text
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT, Selection, format_value, select
-
-
-def cache_dir() -> str:
-  """SEXPGPU_CACHE_DIR, default ~/.cache/sexpgpu."""
-  return os.environ.get("SEXPGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                             "sexpgpu")
+from sexpgpu.paths import cache_dir  # noqa: F401  (run/ imports it from here too)
 
 
 def loader_spec(decl: LoaderDecl) -> LoaderSpec:

@@ -109,7 +109,7 @@ def deterministic() -> bool:
 
 
 def _autotune_dir() -> str:
-  from sexpgpu.run.compile import cache_dir
+  from sexpgpu.paths import cache_dir
   path = os.path.join(cache_dir(), "autotune")
   os.makedirs(path, exist_ok=True)
   return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-from typing import Any, TextIO
+from typing import TextIO
 
 # The streams found closed (a reader such as `| head -1` that went away): nothing more is
 # written to them, and the run goes on.
@@ -113,7 +113,3 @@ def done_lines(steps: int, train_loss: float | None, evals: dict[str, float],
   lines += [f"  {k} {v:.4f}" for k, v in evals.items()]
   lines += [f"  counter {k} {v}" for k, v in counters.items()]
   return lines
-
-
-def fmt_float(x: Any) -> float | None:
-  return None if x is None else float(x)

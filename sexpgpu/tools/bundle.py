@@ -27,6 +27,7 @@ import time
 import zipfile
 
 from sexpgpu.errors import SxError
+from sexpgpu.paths import replacing
 
 MANIFEST = "manifest.json"
 FORMAT = "sexpgpu-bundle"
@@ -114,14 +115,10 @@ def make_bundle(path: str, out: str, variant: str | None = None,
                 for f in files},
       "std": std, "data_not_bundled": sorted(set(left_out)), "remote_data": sorted(set(remote)),
   }
-  parent = os.path.dirname(os.path.abspath(out))
-  os.makedirs(parent, exist_ok=True)
-  tmp = f"{out}.{os.getpid()}.tmp"
-  with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+  with replacing(out) as tmp, zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
     z.writestr(MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     for f in files:
       z.write(f, members[f])
-  os.replace(tmp, out)
   return {**manifest, "notes": notes}
 
 
