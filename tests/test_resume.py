@@ -184,21 +184,31 @@ def test_kill_9_during_a_checkpoint_write_then_resume_latest(tmp_path):
 def test_a_second_signal_during_the_final_checkpoint_keeps_it_whole(tmp_path):
   ck = tmp_path / "ck"
   m = tmp_path / "m.jsonl"
+  # no periodic save (every 1000 > 200 steps): the only checkpoint written is the final one
   p = subprocess.Popen(sexpgpu_cmd("run", EXP, "--set", "width=384", "--steps", "200",
+                                   "--set", "checkpoint-every=1000",
                                    "--checkpoint-dir", str(ck), "--metrics", f"jsonl:{m}",
                                    "--json"),
                        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  run_dir = ck / "curriculum-checkpoint-every=1000-width=384"
   deadline = time.time() + 300
   while time.time() < deadline and p.poll() is None:
     if m.exists() and _events(m, "step"):
       break
     time.sleep(0.005)
   p.send_signal(signal.SIGTERM)
-  time.sleep(0.05)
-  p.send_signal(signal.SIGTERM)
+  hit = False
+  while time.time() < deadline and p.poll() is None:
+    if _ckpt_tmp_dirs(run_dir):  # the final checkpoint is being written right now
+      p.send_signal(signal.SIGTERM)
+      hit = True
+      break
+    time.sleep(0.0005)
   out, err = p.communicate(timeout=300)
+  assert hit, "the run ended before its final checkpoint's write could be interrupted"
   assert p.returncode == 143, err
   step_dir = json.loads(out)["checkpoint"]
   from sexpgpu.ckpt import CheckpointStore, read_meta
-  assert CheckpointStore(str(ck), "curriculum-width=384", 3).latest() == step_dir
+  assert CheckpointStore(str(ck), "curriculum-checkpoint-every=1000-width=384", 3).latest() \
+      == step_dir
   assert read_meta(step_dir)["step"] == json.loads(out)["steps"]

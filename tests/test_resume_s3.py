@@ -8,8 +8,10 @@ import sys
 import time
 
 import pytest
+import s3fs
 
 from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.ckpt import remote
 from s3server import KillableProxy, moto_server, s3_env
 
 EXP = os.path.join(ROOT, "tests", "data", "curriculum.sx")
@@ -149,14 +151,18 @@ def test_kill_9_during_an_upload_then_resume_latest(moto, tmp_path):
                                    "--metrics", f"jsonl:{m}"),
                        cwd=ROOT, env=_env(moto, staging), stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
+  fs = s3fs.S3FileSystem(key="testing", secret=SECRET, client_kwargs={"endpoint_url": moto})
+  run_dir = "s3://runs/killed/curriculum-checkpoint-every=3-width=384"
   deadline = time.time() + 300
+  hit = False
   while time.time() < deadline and p.poll() is None:
-    if m.exists() and any(e["kind"] == "checkpoint" for e in map(json.loads, open(m))):
+    committed, uncommitted = remote.steps(fs, run_dir)
+    if committed and uncommitted:  # a later step is on the store without its COMMIT: uploading
+      p.send_signal(signal.SIGKILL)
+      hit = True
       break
-    time.sleep(0.005)
-  time.sleep(0.3)  # the next save's upload is under way about now
-  p.send_signal(signal.SIGKILL)
   p.communicate(timeout=60)
+  assert hit, "the run ended before an upload could be interrupted"
   left = _staging(staging)  # what the killed process staged is left behind
   assert len(left) == 1 and left[0].startswith(f"sexpgpu-ckpt-staging-{p.pid}-"), left
   r = _run(args + ["--checkpoint-dir", "s3://runs/killed", "--resume", "latest"], moto, staging)
