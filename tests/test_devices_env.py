@@ -117,7 +117,7 @@ def test_every_parsed_variable_is_checked_by_run():
     assert found[0][1].where == name
 
 
-# One malformed value each; `run` refuses it, `doctor` fails on it, with the same words.
+# One malformed value each; `run` and `check` refuse it, `doctor` fails on it, with the same words.
 BAD = [("SEXPGPU_DEVICES", "0,0"), ("SEXPGPU_DEVICES", "x"), ("SEXPGPU_DEVICES", "5"),
        ("SEXPGPU_NODES", "two"), ("SEXPGPU_NODE_RANK", "3"), ("SEXPGPU_NODE_GRADIENTS", "f16"),
        ("SEXPGPU_RENDEZVOUS_TIMEOUT", "soon"), ("SEXPGPU_MEMORY", "lots"),
@@ -141,6 +141,9 @@ def test_run_and_doctor_say_the_same(monkeypatch, capsys, tmp_path, name, value)
   assert m and f"  --> {name}\n" in err, err  # the variable is named, not a flag
   said = _doctor_says(capsys)
   assert f"error[{m.group(1)}]" in said and m.group(2) in said, said
+  if (name, value) != ("SEXPGPU_DEVICES", "5"):  # visibility is known once devices are open
+    assert main(["check", TINY, "--variant", "smoke"]) == 1
+    assert m.group(0) in capsys.readouterr().err
 
 
 def _doctor_says(capsys) -> str:

@@ -155,7 +155,9 @@ def cmd_check(argv: list[str]) -> int:
   rest = _parse(fv, argv, "check")
   path = _one_file(rest, "check")
   from sexpgpu.run.check import check
+  from sexpgpu.run.env import check_variables
   device = fv.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
+  check_variables(device, ("SEXPGPU_DEVICE",) if fv.device else ())  # the parsers run uses
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
   sets = _sets(fv.set)
   text = guarded(path, fv.variant, sets, overrides, fv.diagnostics,
