@@ -1,6 +1,5 @@
 """Documents packed in a row do not see each other: the segment mask in attention and the loss."""
 
-import os
 
 import jax
 import jax.numpy as jnp

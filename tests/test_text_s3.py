@@ -79,7 +79,8 @@ def test_s3_cache_written_by_tokenize_and_resumed(s3, tmp_path, monkeypatch):
   names = sorted(p.rsplit("/", 1)[-1] for p in s3.ls("text-bucket/out"))
   assert names == sorted(os.listdir(local_cache))
   for name in names:
-    assert s3.cat_file(f"text-bucket/out/{name}") == open(os.path.join(local_cache, name), "rb").read()
+    with open(os.path.join(local_cache, name), "rb") as f:
+      assert s3.cat_file(f"text-bucket/out/{name}") == f.read()
   s3.rm("text-bucket/out/shard-00001.bin")  # a shard lost: only it is made again
   again = tokenize(Options(tuple(SHIPPED), "s3://text-bucket/out", train_bpe=300),
                    progress=False)

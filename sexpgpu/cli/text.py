@@ -1,4 +1,4 @@
-"""`sexpgpu tokenize SOURCE... -o CACHE`: flags and output; the work is in sexpgpu.tools.tokenize."""
+"""`sexpgpu tokenize SOURCE... -o CACHE`: flags and output; the work is in tools.tokenize."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from sexpgpu.errors import SxError
 
 def _tokenize_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
-  flags.DEFINE_string("output", None, "the cache to write: a folder or s3:// / gs:// prefix", short_name="o", flag_values=fv)
+  flags.DEFINE_string("output", None, "the cache to write: a folder or s3:// / gs:// prefix",
+                      short_name="o", flag_values=fv)
   flags.DEFINE_integer("train_bpe", None, "train a byte-level BPE of this many tokens",
                        lower_bound=1, flag_values=fv)
   flags.DEFINE_string("tokenizer", None, "a tokenizer.json to use instead (nothing is downloaded)",

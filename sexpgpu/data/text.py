@@ -10,7 +10,8 @@ import numpy as np
 
 from sexpgpu.data import base, remote, textcache
 from sexpgpu.data.files import RecordOrder
-from sexpgpu.data.spec import ArgTable, LoaderSpec, form_error, fraction_range, load_error, positive_int
+from sexpgpu.data.spec import (ArgTable, LoaderSpec, form_error, fraction_range, load_error,
+                               positive_int)
 
 # Keeps the text loader's shuffle apart from the other loaders' streams (base.TAG_*).
 TAG_TEXT = 6
@@ -83,7 +84,8 @@ class TextLoader(base.Loader):
     if args["vocab"] and positive_int(spec, args, "vocab") < self.vocab:
       raise load_error("E-LOAD-003", spec, self.uri,
                        f"the cache's tokenizer has {self.vocab} tokens, more than :vocab "
-                       f"{args['vocab']}", f"raise :vocab (and the model's) to at least {self.vocab}")
+                       f"{args['vocab']}",
+                       f"raise :vocab (and the model's) to at least {self.vocab}")
     self._shards, starts, ends = self._read_shards(files)
     total = len(starts)
     d0, d1 = math.floor(split[0] * total), math.floor(split[1] * total)

@@ -1,4 +1,4 @@
-"""Text sources for `sexpgpu tokenize`: files, globs, folders, s3:// / gs:// prefixes, and their documents."""
+"""Text sources for `sexpgpu tokenize`: files, globs, folders, s3:// prefixes, their documents."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from sexpgpu.data import textcache
 from sexpgpu.data.remote import default_cache_dir, is_remote
 from sexpgpu.data.spec import redact
 from sexpgpu.errors import SxError
-from sexpgpu.tools.textsources import Source, documents, expand, read_bytes, remote_fs, tok_error
+from sexpgpu.tools.textsources import Source, documents, expand, remote_fs, read_bytes
 # Sources are tokenized in groups (up to this many bytes, or one file a core), so
 # encode_batch has documents from several files to spread over its threads while
 # shards still land one group at a time.
@@ -60,8 +60,10 @@ class Summary:
   def line(self, output: str) -> str:
     """The one summary line printed when standard error is no terminal."""
     mb = self.bytes / 1e6
-    return (f"tokenize: {output}: {self.sources} sources ({self.skipped} already in the cache), "
-            f"{self.documents} documents, {self.tokens} tokens, {mb:.2f} MB in "
+    n = lambda k, what: f"{k} {what}{'' if k == 1 else 's'}"
+    return (f"tokenize: {redact(output)}: {n(self.sources, 'source')} ({self.skipped} already in "
+            f"the cache), {n(self.documents, 'document')}, {n(self.tokens, 'token')}, "
+            f"{mb:.2f} MB in "
             f"{self.seconds:.2f} s ({mb / max(self.seconds, 1e-9):.1f} MB/s)")
 
 
@@ -91,7 +93,8 @@ def load_tokenizer(path: str):
 
 def train_bpe(texts: Iterator[str], vocab: int, eos: str):
   """A byte-level BPE (GPT-2's kind) of `vocab` tokens, the end-of-document token first."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -111,7 +114,8 @@ class _Progress:
     if not enabled:
       return
     from rich.console import Console  # pylint: disable=import-outside-toplevel
-    from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn,  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
     self.bar = Progress(TextColumn("tokenize"), BarColumn(),
                         TextColumn("{task.fields[files]}/" + str(files) + " files"),
