@@ -21,11 +21,12 @@ the shape (`sexpgpu.run.devices.keep_host_memory`, when
 allocator, so sexpgpu/jax-kept is sexpgpu's own overhead.
 
 Two per-step times are measured, the same way in every leg:
-  step  the step call up to its numbers on the host (sexpgpu's `time/step`:
-        device_put of the batch done, then the update and the metric fetch);
-  loop  the period between the ends of consecutive steps: step plus the host
-        work around it (drawing the microbatches, np.stack, device_put, and in
-        sexpgpu the step event, counters and status file).
+  step  in the baselines, the step call up to its numbers on the host; in sexpgpu,
+        `time/step`: the device's time for the step (sexpgpu draws the next batches
+        in a thread and reads a step's numbers one step late, so its host work
+        overlaps the step);
+  loop  the period between the ends of consecutive steps: what a user waits for a
+        step, host work included. The goals (TARGETS) are judged on it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ DEFAULT_STEPS = {"tiny": 1500, "compute": 10}
 # to outlast this machine's slow spells; so tiny legs warm up for 300 steps and time 1500.
 DEFAULT_WARMUP = {"tiny": 300, "compute": 3}
 LEGS = ("sexpgpu", "jax", "jax-kept", "jax-bare", "torch", "torch-bare")
+# The goals (shared/spec/35-loop.md), against the plain loops that skip the gradient norm
+# and the NaN guard, on the loop's period: what a user waits for a step, host work included.
+TARGETS = {"jax-bare": {"tiny": 1.0, "compute": 1.05}, "torch-bare": {"tiny": 4.0, "compute": 1.0}}
 PRE = "lm/transformer-lm/"
 BLK = PRE + "repeat/block/"
 # sexpgpu parameter path -> short name used by the baselines (per-layer ones are stacked)
@@ -344,7 +348,8 @@ def bench_shape(shape_name: str, steps: int, warmup: int, rounds: int, legs, jax
         "tok_s": tokens / statistics.median(step), "loop_tok_s": tokens / statistics.median(loop),
         "first_s": statistics.median([x["first"] for x in rs]),
         "rss_mib": max(x["rss_growth_mib"] for x in rs), "loss": rs[0]["loss"],
-        "round_step_s": [statistics.median(x["step"][warmup:]) for x in rs]}
+        "round_step_s": [statistics.median(x["step"][warmup:]) for x in rs],
+        "round_loop_s": [statistics.median(x["loop"][warmup:]) for x in rs]}
   return out
 
 
@@ -358,23 +363,22 @@ def report(res: dict) -> list[str]:
     lines.append(f"{leg:10} {x['tok_s']:11.0f} {x['loop_tok_s']:11.0f} {x['first_s']:13.2f} "
                  f"{x['rss_mib']:14.0f} {x['loss'][0]:9.5f} {x['loss'][2]:9.5f}")
   a = L["sexpgpu"]
-  tt = 3.0 if res["shape"] == "tiny" else 1.0
-  for other, target in (("jax", 0.97), ("jax-kept", None), ("jax-bare", None), ("torch", tt),
-                        ("torch-bare", None)):
+  for other in ("jax-bare", "torch-bare", "jax", "jax-kept", "torch"):
     if other not in L:
       continue
     o = L[other]
     # Each round runs the legs back to back, so a round's ratio is a paired comparison
     # that the machine's drift between rounds does not bias; the ratio is their median.
     per_round = [y / x for x, y in zip(a["round_step_s"], o["round_step_s"])]
-    r_step = statistics.median(per_round)
-    pooled, r_loop = a["tok_s"] / o["tok_s"], a["loop_tok_s"] / o["loop_tok_s"]
-    lines.append(f"ratio {res['shape']} sexpgpu/{other}: step {r_step:.3f} (median of "
-                 f"{len(per_round)} rounds, {min(per_round):.2f}..{max(per_round):.2f}; pooled "
-                 f"{pooled:.3f})  loop {r_loop:.3f}  "
+    per_loop = [y / x for x, y in zip(a["round_loop_s"], o["round_loop_s"])]
+    r_step, r_loop = statistics.median(per_round), statistics.median(per_loop)
+    target = TARGETS.get(other, {}).get(res["shape"])
+    lines.append(f"ratio {res['shape']} sexpgpu/{other}: loop {r_loop:.3f} (median of "
+                 f"{len(per_loop)} rounds, {min(per_loop):.2f}..{max(per_loop):.2f})  step "
+                 f"{r_step:.3f} ({min(per_round):.2f}..{max(per_round):.2f})  "
                  f"first-step time {a['first_s'] / o['first_s']:.2f}" + (
-                     "" if target is None else f"  target step >= {target}: "
-                     f"{'met' if r_step >= target else 'MISSED'}"))
+                     "" if target is None else f"  target loop >= {target}: "
+                     f"{'met' if r_loop >= target else 'MISSED'}"))
   n = min(3, len(a["loss"]))
   d = max(abs(x["loss"][i] - a["loss"][i]) for x in L.values() for i in range(n))
   lines.append(f"loss {res['shape']}: max |difference| over the first 3 steps, all legs: {d:.2e}")

@@ -3,7 +3,7 @@
 Usage: python benchmarks/profile_overhead.py [--shape tiny|compute] [--steps N]
 
 Times, interleaved in rounds, the pieces of one iteration of
-sexpgpu/run/session.py's loop: drawing and stacking the microbatches, the
+sexpgpu/run/loop.py's loop (without its batch thread): drawing and stacking the microbatches, the
 device_put, the compiled step (AOT executable vs the same function through
 jax.jit), the metric fetch, the step event and the status update; and the
 hand-written JAX step with its layers unrolled and scanned. Prints the median
@@ -23,6 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train as bt  # noqa: E402
 
 
+def _stack(batches: list[dict]) -> dict:
+  """The loop's stacking of a step's microbatches (run/loop.py's _draw)."""
+  import numpy as np
+  return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
 def main() -> int:
   """Runs the profile and prints one line a piece."""
   ap = argparse.ArgumentParser()
@@ -37,8 +43,6 @@ def main() -> int:
   from sexpgpu.lower.init import init_params
   from sexpgpu.lower.optim import make_optimizer
   from sexpgpu.lower.step import TrainStep, init_state
-  from sexpgpu.run import session as S
-  
   shape = bt.SHAPES[a.shape]
   k = shape["microbatches"]
   exp = sexpgpu.compile(bt.SX, set=shape)
@@ -47,7 +51,7 @@ def main() -> int:
   opt, sched = make_optimizer(c.exp.optimizer, 100)
   st = TrainStep(c.stages[0].graph, opt, sched, "f32", k, k, 1, "stop", (), platform="cpu")
   state = init_state(init_params(1, c.params), opt)
-  b0 = jax.device_put(S._stack([loader.next() for _ in range(k)]))
+  b0 = jax.device_put(_stack([loader.next() for _ in range(k)]))
   st.compile(jax.eval_shape(lambda: state), jax.eval_shape(lambda: b0))
   jit_state = init_state(init_params(1, c.params), opt)
 
@@ -78,7 +82,7 @@ def main() -> int:
 
   base = {"unroll": make(True), "scan": make(False)}
   bstate = {n: (jax.device_put(init), bopt.init(jax.device_put(init))) for n in base}
-  tok = jax.device_put(S._stack([loader.next() for _ in range(k)]))["tokens"]
+  tok = jax.device_put(_stack([loader.next() for _ in range(k)]))["tokens"]
 
   from sexpgpu.track.metrics import open_metrics
   from sexpgpu.track.status import StatusFile
@@ -107,7 +111,7 @@ def main() -> int:
 
   for _ in range(a.steps):
     mbs = timed("draw: loader.next() x K", lambda: [loader.next() for _ in range(k)])
-    stacked = timed("np.stack (_stack)", lambda: S._stack(mbs))
+    stacked = timed("np.stack (_stack)", lambda: _stack(mbs))
     batches = timed("jax.device_put(batch)", lambda: jax.device_put(stacked))
     state, m = timed("compiled step: AOT _fused_exec, dispatch", lambda: st(state, batches))
     timed("  ... wait (block_until_ready)", lambda: jax.block_until_ready(m))

@@ -103,6 +103,7 @@ class Plan:
   peak_at: str
   parts: dict[str, int]
   executables: dict[str, ExecutableMemory]
+  over: str = ""  # how the state is split, e.g. "fsdp over 8" ("" when replicated)
 
   @property
   def fits(self) -> bool:
@@ -111,7 +112,8 @@ class Plan:
 
   def text(self) -> str:
     """The report line's value: `2.7 GiB of 78.8 GiB free`."""
-    return f"{human(self.total)} of {human(self.free)} free"
+    return f"{human(self.total)} of {human(self.free)} free" + (f" ({self.over})"
+                                                                 if self.over else "")
 
   def parts_text(self) -> str:
     """The parts, largest first: `parameters 474.7 MiB, optimizer states 949.4 MiB, ...`."""
@@ -128,7 +130,7 @@ class Plan:
 
 def plan(executables: Mapping[str, Any], state_bytes: Mapping[str, int], extra_bytes: int,
          free_bytes: int, reserve: int = RESERVE,
-         resident: Mapping[str, int] | None = None) -> Plan:
+         resident: Mapping[str, int] | None = None, over: str = "") -> Plan:
   """The memory plan: max over executables (arguments + outputs + temporaries − aliases) + outside.
 
   Args:
@@ -144,6 +146,7 @@ def plan(executables: Mapping[str, Any], state_bytes: Mapping[str, int], extra_b
     resident: name → bytes alive during that executable that are not among its
       arguments (the optimizer state and the running gradient sum while a
       stacked gradient call runs).
+    over: how the state is split over devices ("fsdp over 8"), for the report.
 
   Returns:
     The Plan.
@@ -159,7 +162,8 @@ def plan(executables: Mapping[str, Any], state_bytes: Mapping[str, int], extra_b
   parts["constants"] = max(e.code for e in mems.values())
   parts["largest live set"] = peak.live
   parts["outside the steps"] = int(extra_bytes)
-  return Plan(peak.total + int(extra_bytes), int(free_bytes), int(reserve), peak_at, parts, mems)
+  return Plan(peak.total + int(extra_bytes), int(free_bytes), int(reserve), peak_at, parts, mems,
+              over)
 
 
 def reserve_for(device) -> int:

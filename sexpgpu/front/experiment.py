@@ -371,6 +371,6 @@ def _run(b: Builder, program: Program, env: Env, selection: Selection, loaders: 
   run = {k: selection.value(k) for k in RUN_KNOBS}
   run["eval-every"] = selection.value("eval-every")
   for k, v in run.items():
-    if k in ("precision", "on-nan"):
+    if k in ("precision", "on-nan", "sharding"):
       run[k] = str(v)
   return loss, data, optimizer, run, form.loc

@@ -77,6 +77,10 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   lines = [f"plan: {c.slug} on {place.first.platform}{ranks}",
            f"  memory      {choice.plan.text()} (peak in {choice.plan.peak_at})"]
   lines += [f"    {name:<26} {_bytes(v)}" for name, v in choice.plan.parts.items()]
+  if training.sharding != "replicate":
+    whole = training.replicated()
+    lines.append(f"  sharding    {training.sharding} over {place.ranks}; replicated: "
+                 + (", ".join(whole) if whole else "none"))
   lines.append(f"  stacking    {choice.text}")
   for d, total in sorted(choice.totals.items(), reverse=True):
     pred = choice.predicted.get(d)

@@ -54,4 +54,16 @@ def run_options(path: str, fv) -> RunOptions:
       checkpoint_dir=fv.checkpoint_dir if fv.checkpoint_dir is not None
       else _env("SEXPGPU_CHECKPOINT_DIR"),
       resume=fv.resume if fv.resume is not None else _env("SEXPGPU_RESUME"),
-      stacking=stacking_from_env(), json=bool(fv.json))
+      stacking=stacking_from_env(), json=bool(fv.json), **_profile(fv))
+
+
+def _profile(fv) -> dict:
+  """--profile A..B (SEXPGPU_PROFILE) and --profile-dir (SEXPGPU_PROFILE_DIR)."""
+  from sexpgpu.run.profile import parse_range
+  flag = getattr(fv, "profile", None)
+  text, where = (flag, "--profile") if flag is not None else (_env("SEXPGPU_PROFILE"),
+                                                              "SEXPGPU_PROFILE")
+  folder = getattr(fv, "profile_dir", None)
+  folder = folder if folder is not None else _env("SEXPGPU_PROFILE_DIR")
+  return {"profile": parse_range(text, where) if text is not None else None,
+          "profile_dir": folder}

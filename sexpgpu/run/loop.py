@@ -183,6 +183,11 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
                            "fingerprint": c.fingerprint, "gradients": node_gradients,
                            "resume": resume_dir or "-"}, rdv)
   training = build(c, place, node_gradients)
+  if training.sharding != "replicate" and place.multiprocess:
+    raise SxError("E-RUN-002", f":sharding {training.sharding} over several nodes is not built "
+                  "yet: each process would have to write its own shards of a checkpoint",
+                  where=f"--set sharding={training.sharding}",
+                  fix="use :sharding replicate across nodes, or fsdp on the devices of one node")
   from sexpgpu.lower.flops import device_peak, train_flops
   progress.flops = [train_flops(s.graph, training.k) for s in c.stages]
   progress.peak = device_peak(place.first, training.precision)
@@ -226,7 +231,8 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
 
   # --- initialize or restore ----------------------------------------------------------------
   if resume_dir is not None:
-    state, meta, secs = saving.restore(resume_dir, state, place)
+    state, meta, secs = saving.restore(resume_dir, state, place,
+                                       lambda s: training.place_state(s, progress.stage))
     start = int(meta["step"])
     progress.stage = int(meta["stage"])
     progress.base["stage"] = progress.stage
@@ -266,7 +272,7 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
       return
     progress.set_status("checkpointing", step)
     meta_ = saving.meta(c, progress, step, place, training.node_gradients, stacking,
-                        loader_states)
+                        loader_states, training.sharding)
     if multi:
       saving.save_nodes(store, state, meta_, step, place, rdv)
       _emit_saved(store, progress, metrics)

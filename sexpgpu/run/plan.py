@@ -350,6 +350,23 @@ def shrink_hints(knobs: dict) -> list[str]:
   return hints
 
 
+def sharding_hint(training, plan: mem.Plan, state) -> list[str]:
+  """`--set sharding=fsdp (about X a device)` when sharding the state would make it fit.
+
+  The estimate takes the parameters, optimizer states and f32 gradient sums out of the
+  replicated plan and puts back one device's share of them (1/R): what fsdp saves.
+  """
+  if training.sharding != "replicate" or training.ranks < 2 or training.place is None \
+      or training.place.multiprocess:
+    return []
+  whole = sum(plan.parts.get(k, 0) for k in ("parameters", "optimizer states",
+                                             "gradients and accumulators"))
+  need = plan.total - whole + whole // training.ranks
+  if need + plan.reserve > plan.free:
+    return []
+  return [f"--set sharding=fsdp (about {mem.human(need)} a device over {training.ranks})"]
+
+
 def choose(training, stage: int, fixed: int | None, state, batches, device,
            checkpointing: bool, cache_dir: str, several_nodes: bool = False,
            buffered_batches: int = 3) -> Choice:
@@ -371,26 +388,29 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
   """
   per_rank = training.k // training.ranks
   degrees = [fixed] if fixed is not None else sorted(divisors(per_rank), reverse=True)
-  params = training.place.abstract(state["params"]) if training.place else state["params"]
+  params = training.place_abstract(state, stage)["params"]
   pass_execs = {f"pass {n}": s.compile(params, training.place.abstract(
       training.abstract_batches(p.data, ())) if training.place else
       training.abstract_batches(p.data, ()))
       for n, s, p in ((n, s, training.c.exp.passes[n]) for n, s in training.pass_steps.items())}
-  parts_1 = mem.state_parts(state, accumulators=1)
-  state_total = mem.tree_bytes(state)
+  mine = training.share(state)  # what one device holds of the state (all of it, replicated)
+  parts_1 = mem.state_parts(mine, accumulators=1)
+  state_total = mem.tree_bytes(mine)
   outside = mem.outside_bytes(mem.tree_bytes(batches), state_total,
                               buffered_batches=buffered_batches, checkpoint_copy=checkpointing)
   free = mem.free_bytes_of(device, os.environ.get("SEXPGPU_MEMORY"))
   reserve = mem.reserve_for(device)
   plans, execs, predicted = {}, {}, {}
+  over = "" if training.sharding == "replicate" else f"{training.sharding} over {training.ranks}"
   for d in degrees:
     ex = training.step(stage, d).executables(state, batches)
     resident = {}
     if "gradient call" in ex:  # the optimizer state and the running gradient sum stay alive
       resident["gradient call"] = parts_1["optimizer states"] + parts_1[
           "gradients and accumulators"]
-    parts = mem.state_parts(state, accumulators=1 if "train step" in ex else 2)
-    plans[d] = mem.plan({**ex, **pass_execs}, parts, outside, free, reserve, resident)
+    parts = mem.state_parts(mine, accumulators=1 if "train step" in ex else 2)
+    plans[d] = mem.plan({**ex, **pass_execs}, parts, outside, free, reserve, resident,
+                        over=over)
     execs[d] = ex
   fits = {d: p.fits for d, p in plans.items()}
   if len([d for d in degrees if fits[d]]) > 1:
@@ -412,7 +432,8 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
     degree, how, text = follow_node_0("stacking", [degree, how, text])
   if how == "none":
     smallest = min(plans.values(), key=lambda p: p.total)
-    raise mem.refuse(smallest, shrink_hints(training.c.selection.knobs))
+    raise mem.refuse(smallest, sharding_hint(training, smallest, state)
+                     + shrink_hints(training.c.selection.knobs))
   # The cost model's inputs are timed per process, so its choice is remembered too: every
   # later run of this graph on this device then sums its gradients in the same order.
   if how == "model":

@@ -29,7 +29,7 @@ def versions() -> dict:
 
 
 def meta(c, progress, step: int, place, node_gradients: str, stacking: int,
-         loader_states: dict) -> dict:
+         loader_states: dict, sharding: str = "replicate") -> dict:
   """The meta written beside the state: everything a resume needs besides the arrays.
 
   Args:
@@ -39,10 +39,13 @@ def meta(c, progress, step: int, place, node_gradients: str, stacking: int,
     place: the run's Placement.
     node_gradients, stacking: how the run sums its gradients (a resume keeps both).
     loader_states: loader name → state as of `step` (not as of batches drawn ahead).
+    sharding: the run's :sharding (a resume may choose another on the same devices).
   """
   out = {"fingerprint": c.fingerprint, "graph_fingerprint": c.graph_fingerprint,
          "slug": c.slug, "step": step, "stage": progress.stage, "ranks": place.ranks,
          "nodes": place.nodes, "node_gradients": node_gradients, "stacking": stacking,
+         "sharding": sharding,
+         "mesh": dict(place.mesh.shape) if place.mesh is not None else {},
          "counters": dict(progress.counters), "last_pass": dict(progress.last_pass),
          "train_loss": progress.train_loss, "loaders": dict(loader_states),
          "knobs": {k: jsonable(v.value) for k, v in c.selection.knobs.items()},
@@ -76,8 +79,14 @@ def check_same(c, place, meta_: dict, step_dir: str) -> None:
                 "without --resume")
 
 
-def restore(step_dir: str, abstract_state: dict, place) -> tuple[dict, dict, float]:
+def restore(step_dir: str, abstract_state: dict, place, put=None) -> tuple[dict, dict, float]:
   """The state and meta of a checkpoint, placed on the run's devices.
+
+  Args:
+    step_dir: the step folder.
+    abstract_state: the state's ShapeDtypeStructs.
+    place: the run's Placement.
+    put: puts the restored state where the run keeps it (default: replicated).
 
   Returns:
     (state, meta, seconds it took).
@@ -86,7 +95,7 @@ def restore(step_dir: str, abstract_state: dict, place) -> tuple[dict, dict, flo
   t = time.perf_counter()
   state, meta_ = restore_checkpoint(step_dir, abstract_state)
   carry = state.pop("carry", None)
-  state = place.replicate(state)
+  state = (put or place.replicate)(state)
   if carry is not None:  # each node takes its own devices' carries
     share = place.local_share(place.ranks)
     state["carry"] = jax.tree_util.tree_map(

@@ -17,6 +17,7 @@ import numpy as np
 from sexpgpu.ir.shapes import np_dtype
 from sexpgpu.lower.init import init_params
 from sexpgpu.lower.optim import make_optimizer
+from sexpgpu.lower.fsdp import ShardedTrainStep, share
 from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
 
 
@@ -46,6 +47,8 @@ class Training:
     self.precision = str(run["precision"])
     self.on_nan = str(run["on-nan"])
     self.ranks = self.place.ranks if self.place is not None else 1
+    # Sharding only means something over several devices: on one it is `replicate`.
+    self.sharding = str(run.get("sharding", "replicate")) if self.ranks > 1 else "replicate"
     self._steps: dict[tuple[int, int], TrainStep] = {}
 
   @property
@@ -64,11 +67,46 @@ class Training:
     if key not in self._steps:
       opt, sched = self.optimizer(stage)
       place = self.place
-      self._steps[key] = TrainStep(
-          self.c.stages[stage].graph, opt, sched, self.precision, self.k, degree, self.seed,
-          self.on_nan, self.diags, place.mesh if place else None, self.node_gradients,
-          place.first.platform if place else None)
+      args = (self.c.stages[stage].graph, opt, sched, self.precision, self.k, degree, self.seed,
+              self.on_nan, self.diags, place.mesh if place else None, self.node_gradients,
+              place.first.platform if place else None)
+      if self.sharding == "replicate":
+        self._steps[key] = TrainStep(*args)
+      else:
+        stacks = {path: len(p.stack) for path, p in self.c.params.items()}
+        self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks)
     return self._steps[key]
+
+  def place_state(self, state: dict, stage: int = 0) -> dict:
+    """A host or device state put where the run keeps it: replicated, or sharded."""
+    if self.sharding == "replicate":
+      return self.place.replicate(state)
+    step = self.step(stage, self.k // self.ranks)
+    return jax.device_put(state, step.state_shardings(state))
+
+  def place_abstract(self, state: dict, stage: int = 0) -> dict:
+    """Abstract state carrying the shardings the run's state will have."""
+    if self.place is None:
+      return state
+    if self.sharding == "replicate":
+      return {k: (v if k == "carry" else self.place.abstract(v)) for k, v in state.items()}
+    return self.step(stage, self.k // self.ranks)._place_state(state)
+
+  def share(self, state: dict, stage: int = 0) -> dict:
+    """The state as one device holds it (ShapeDtypeStructs of its shards)."""
+    if self.sharding == "replicate":
+      return state
+    step = self.step(stage, self.k // self.ranks)
+    return share(step._place_state(state))
+
+  def replicated(self, stage: int = 0) -> list[str]:
+    """Parameters that stay whole on every device under fsdp/hsdp (no axis fits)."""
+    if self.sharding == "replicate":
+      return []
+    step = self.step(stage, self.k // self.ranks)
+    state = self.abstract_state(stage)
+    return [path for path, p in state["params"].items()
+            if step.param_spec(path, tuple(p.shape)) == jax.sharding.PartitionSpec()]
 
   def abstract_state(self, stage: int = 0) -> dict:
     """The train state as ShapeDtypeStructs: nothing is initialized or allocated."""
@@ -83,8 +121,14 @@ class Training:
     """The initial train state, placed on the run's devices."""
     opt, _ = self.optimizer(stage)
     place = self.place
-    with jax.default_device(place.first):
-      state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
+    if self.sharding != "replicate":  # each device initializes only its shards
+      shardings = self.step(stage, self.k // self.ranks).state_shardings(
+          {k: v for k, v in self.abstract_state(stage).items() if k != "carry"})
+      state = jax.jit(lambda: init_state(init_params(self.seed, self.c.params), opt),
+                      out_shardings=shardings)()
+    else:
+      with jax.default_device(place.first):
+        state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
     if self.carried:
       n = len(place.local_devices)
       state["carry"] = {k: place.shard(np.zeros((n,) + v.shape, np.float32), self.ranks)

@@ -76,6 +76,8 @@ DEFRUN = {
     "checkpoint-every": "steps between checkpoints; 0 only at the end (default 0)",
     "keep": "checkpoints kept (default 3)",
     "on-nan": "stop (default: E-NUM-001) or skip a step whose loss is not finite",
+    "sharding": "replicate (default: a full copy a device), fsdp (parameters, gradients and "
+                "optimizer state split over the devices) or hsdp (split within a node)",
 }
 
 LOADER_KEYWORDS = {

@@ -1,0 +1,197 @@
+"""FSDP: the train step with parameters, gradients, sums and optimizer state sharded.
+
+Written as one global program under `jax.jit`, with each state array placed by a
+`NamedSharding` and XLA's SPMD partitioner inserting the all-gathers of the
+parameters and the reduce-scatters of the gradients. The alternative, `shard_map`
+with explicit collectives (as the replicated data-parallel step is written), was
+not taken: inside `shard_map` every optimizer that reads a global quantity
+(`clip_by_global_norm`, the gradient-norm metric, the diagnostics' norms) would
+see only its shard, so each such optax transform would need a collective of its
+own; under `jit` the optax chain runs unchanged on sharded arrays and the norms
+are global. The microbatch split is as in the replicated step: rank r runs
+microbatches r·K/R … (r+1)·K/R − 1 of a step, with the same dropout keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sexpgpu.lower.step import TrainStep
+
+SHARDINGS = ("replicate", "fsdp", "hsdp")
+
+
+def shard_axes(mesh, sharding: str) -> tuple[str, ...]:
+  """The mesh axes an array's state is split over: all of them (fsdp), or within a node
+  (hsdp: the `gpu` axis of a (node, gpu) mesh; on one node that is every device)."""
+  names = tuple(mesh.axis_names)
+  if sharding == "hsdp" and "gpu" in names:
+    return ("gpu",)
+  return names
+
+
+def spec_for(shape: tuple[int, ...], n: int, axes: tuple[str, ...], skip: int = 0) -> P:
+  """Splits the largest axis that `n` divides (after the first `skip`, a repeat's layer
+  axes, which stay whole so a scan gathers one layer at a time); else replicated."""
+  best = None
+  for i in range(skip, len(shape)):
+    if shape[i] % n == 0 and shape[i] >= n and (best is None or shape[i] > shape[best]):
+      best = i
+  if best is None:
+    return P()
+  spec = [None] * len(shape)
+  spec[best] = axes if len(axes) > 1 else axes[0]
+  return P(*spec)
+
+
+@dataclasses.dataclass
+class ShardedTrainStep(TrainStep):
+  """A TrainStep whose state is sharded over the mesh (`fsdp` or `hsdp`).
+
+  `stacks` maps each parameter path to its repeat axes count, so the layer axes of a
+  stacked repeat stay whole.
+  """
+
+  sharding: str = "fsdp"
+  stacks: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.mesh is None or self.ranks == 1:
+      raise ValueError("a sharded step needs a mesh of several devices")
+    self.over = shard_axes(self.mesh, self.sharding)
+    self.n = int(np.prod([self.mesh.shape[a] for a in self.over]))
+    self._fused = jax.jit(self._sharded_full, donate_argnums=(0,))
+    self._update = jax.jit(self._sharded_update, donate_argnums=(0,))
+    self._grads = jax.jit(self._sharded_chunk, donate_argnums=(4, 5))
+    self._zeros_fn = jax.jit(self._sharded_zeros)
+    self._specs: dict[tuple, P] = {}
+
+  # --- where each array lives ------------------------------------------------------------
+  def param_spec(self, path: str, shape: tuple[int, ...]) -> P:
+    """A parameter's PartitionSpec."""
+    return spec_for(shape, self.n, self.over, self.stacks.get(path, 0))
+
+  def state_shardings(self, state: dict) -> dict:
+    """NamedShardings for a train state: parameters by their spec, optimizer leaves shaped
+    like a parameter as that parameter, everything else replicated."""
+    by_shape = {}
+    for path, p in state["params"].items():
+      by_shape.setdefault(tuple(p.shape), self.param_spec(path, tuple(p.shape)))
+
+    def leaf(x):
+      return NamedSharding(self.mesh, by_shape.get(tuple(x.shape), P()))
+
+    out = {}
+    for k, v in state.items():
+      if k == "params":
+        out[k] = {path: NamedSharding(self.mesh, self.param_spec(path, tuple(p.shape)))
+                  for path, p in v.items()}
+      elif k == "carry":
+        out[k] = jax.tree_util.tree_map(lambda x: NamedSharding(self.mesh, P(self.axes)), v)
+      else:
+        out[k] = jax.tree_util.tree_map(leaf, v)
+    return out
+
+  def _param_shardings(self, params: dict) -> dict:
+    return {path: NamedSharding(self.mesh, self.param_spec(path, tuple(p.shape)))
+            for path, p in params.items()}
+
+  def _constrain(self, tree, shardings):
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, tree, shardings)
+
+  def _place_state(self, state):
+    sh = self.state_shardings(state)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh)
+
+  # --- the step ----------------------------------------------------------------------------
+  def _by_rank(self, batches):
+    """[K, ...] split by rank: [R, K/R, ...] (rank r's microbatches contiguous, as placed)."""
+    per = self.microbatches // self.ranks
+    return jax.tree_util.tree_map(lambda x: x.reshape((self.ranks, per) + x.shape[1:]),
+                                  batches)
+
+  def _ranks_grads(self, params, batches, step, offset):
+    """Every rank's loss and gradient sums over its microbatches of `batches` ([R, S, ...]),
+    summed over ranks into the parameters' shardings."""
+    per = self.microbatches // self.ranks
+
+    def rank(bb, r):
+      loss, grads, _, tapped = self._stacked_grads(params, bb, step, offset + r * per)
+      return loss, grads, tapped
+
+    loss, grads, tapped = jax.vmap(rank)(batches, jnp.arange(self.ranks))
+    grads = self._constrain(jax.tree_util.tree_map(lambda g: jnp.sum(g, 0), grads),
+                            self._param_shardings(params))
+    tapped = {n: v.reshape(-1) for n, v in tapped.items()}
+    return jnp.sum(loss), grads, tapped
+
+  def _finish(self, state, loss, grads, tapped, stop):
+    new_state, metrics = self._apply(state, loss, grads, tapped)
+    new_state = self._constrain(new_state, self.state_shardings(state))
+    flag = jnp.max(stop).astype(jnp.float32)  # any rank's stop flag stops every rank
+    return new_state, jnp.concatenate([metrics, flag[None]])
+
+  def _sharded_full(self, state, batches, stop):
+    loss, grads, tapped = self._ranks_grads(state["params"], self._by_rank(batches),
+                                            state["step"], 0)
+    return self._finish(state, loss, grads, tapped, stop)
+
+  def _sharded_chunk(self, params, batches, step, c, acc_loss, acc_grads):
+    s = self.stacking
+    chunk = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, c * s, s, axis=1),
+                                   self._by_rank(batches))
+    loss, grads, tapped = self._ranks_grads(params, chunk, step, c * s)
+    return acc_loss + loss, jax.tree_util.tree_map(jnp.add, acc_grads, grads), tapped
+
+  def _sharded_zeros(self, params):
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    return jnp.float32(0.0), self._constrain(zeros, self._param_shardings(params))
+
+  def _sharded_update(self, state, loss, grads, tapped, stop):
+    return self._finish(state, loss, grads, tapped, stop)
+
+  # --- ahead of time -----------------------------------------------------------------------
+  def executables(self, state, batches) -> dict:
+    """The step's executables compiled for abstract, sharded inputs (plan, cost model)."""
+    if self.fused:
+      return {"train step": self.compile(state, batches)}
+    grads = self.compile(state, batches)
+    state = self._place_state(state)
+    params = state["params"]
+    rep = NamedSharding(self.mesh, P())
+    loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+    sums = {k: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding)
+            for k, p in params.items()}
+    tapped = {d.name: jax.ShapeDtypeStruct((self.microbatches,), jnp.float32, sharding=rep)
+              for d in self.diags if d.kind == "tap"}
+    update = self._update.lower(state, loss, sums, tapped, self._stop_abstract()).compile()
+    self._grads_exec, self._update_exec = grads, update
+    return {"gradient call": grads, "update": update}
+
+  def lowered(self, state, batches):
+    """The step (or, stacked, its gradient call) lowered for abstract sharded inputs."""
+    state, batches = self._place_state(state), self._placed(batches, "data")
+    if self.fused:
+      return self._fused.lower(state, batches, self._stop_abstract())
+    rep = NamedSharding(self.mesh, P())
+    loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+    sums = {k: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding)
+            for k, p in state["params"].items()}
+    return self._grads.lower(state["params"], batches, state["step"], jnp.int32(0), loss, sums)
+
+
+def share(tree: Any) -> Any:
+  """Each leaf as the ShapeDtypeStruct of one device's shard (its sharding's shard shape)."""
+  def one(x):
+    sh = getattr(x, "sharding", None)
+    shape = sh.shard_shape(x.shape) if sh is not None else x.shape
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return jax.tree_util.tree_map(one, tree)

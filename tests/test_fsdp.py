@@ -1,0 +1,125 @@
+"""`:sharding fsdp` over XLA host devices: replicate's losses, 1/N of the state a device,
+the plan per device, the refusal's fix, and a resume that changes the sharding."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, sexpgpu_cmd
+
+TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+
+
+def _env(n, **extra):
+  e = dict(os.environ, SEXPGPU_DEVICES=",".join(map(str, range(n))),
+           XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+  e.pop("SEXPGPU_STACKING", None)
+  e.update(extra)
+  return e
+
+
+def _run(tmp_path, name, n, *args, env=None):
+  m = tmp_path / f"{name}.jsonl"
+  p = subprocess.run(sexpgpu_cmd("run", TINY, "--set", f"microbatches={n}", "--metrics",
+                                 f"jsonl:{m}", *args), cwd=ROOT, env=env or _env(n),
+                     capture_output=True, text=True, timeout=600)
+  return p, m
+
+
+def _losses(m):
+  return [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"]
+
+
+def test_fsdp_over_8_devices_trains_as_replicate_and_bitwise_run_to_run(tmp_path):
+  runs = {}
+  for name, sharding in (("rep", "replicate"), ("fsdp", "fsdp"), ("fsdp2", "fsdp")):
+    p, m = _run(tmp_path, name, 8, "--set", f"sharding={sharding}", "--steps", "10")
+    assert p.returncode == 0, p.stderr
+    runs[name] = _losses(m)
+  assert len(runs["fsdp"]) == 10
+  np.testing.assert_allclose(runs["fsdp"], runs["rep"], rtol=0, atol=1e-5)
+  assert runs["fsdp"] == runs["fsdp2"]
+
+
+_SHARES = """
+import json, jax
+from sexpgpu.run.compile import compile_file
+from sexpgpu.run.devices import open_devices
+from sexpgpu.run.training import build
+c = compile_file({path!r}, None, [("microbatches", "8"), ("sharding", "fsdp")])
+training = build(c, open_devices("cpu", list(range(8))))
+state = training.init_state()
+out = {{}}
+for part in ("params", "opt"):
+  leaves = jax.tree_util.tree_leaves_with_path(state[part])
+  out[part] = [(jax.tree_util.keystr(k), int(x.nbytes),
+                sorted({{int(s.data.nbytes) for s in x.addressable_shards}}))
+               for k, x in leaves]
+out["replicated"] = training.replicated()
+print(json.dumps(out))
+"""
+
+
+def test_each_device_holds_an_eighth_of_the_parameters_and_optimizer_state():
+  p = subprocess.run([sys.executable, "-c", _SHARES.format(path=TINY)], cwd=ROOT, env=_env(8),
+                     capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr
+  out = json.loads(p.stdout.strip().splitlines()[-1])
+  replicated = set(out["replicated"])
+  for part in ("params", "opt"):
+    whole = sum(b for _, b, _ in out[part])
+    mine = sum(s[0] for _, _, s in out[part])
+    kept = sum(b for name, b, _ in out[part]
+               if any(r in name for r in replicated) or b < 8 * 4)  # counters, whole arrays
+    assert all(len(s) == 1 for _, _, s in out[part])  # every device the same share
+    assert mine == pytest.approx((whole - kept) / 8 + kept), part
+    assert mine < whole / 4, part
+
+
+def test_the_plan_counts_a_device_share_and_names_fsdp(tmp_path):
+  args = ("--set", "microbatches=4", "--set", "width=256", "--print", "plan")
+  rep = subprocess.run(sexpgpu_cmd("check", TINY, *args, "--set", "sharding=replicate"), cwd=ROOT,
+                       env=_env(4), capture_output=True, text=True, timeout=600)
+  fsdp = subprocess.run(sexpgpu_cmd("check", TINY, *args, "--set", "sharding=fsdp"), cwd=ROOT,
+                        env=_env(4), capture_output=True, text=True, timeout=600)
+  assert rep.returncode == 0 and fsdp.returncode == 0, fsdp.stderr
+  assert "(fsdp over 4)" in fsdp.stdout and "(fsdp over" not in rep.stdout
+  assert "  sharding    fsdp over 4; replicated: " in fsdp.stdout
+
+  def part(text, name):
+    line = next(x for x in text.splitlines() if x.strip().startswith(name))
+    value, unit = line.split()[-2:]
+    return float(value) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+  for name in ("parameters", "optimizer states"):
+    assert part(fsdp.stdout, name) == pytest.approx(part(rep.stdout, name) / 4, rel=0.05)
+
+
+def test_a_run_refused_replicated_names_fsdp_and_runs_with_it(tmp_path):
+  sets = ("--set", "width=256", "--steps", "2")
+  env = _env(4, SEXPGPU_MEMORY="25MiB")
+  p, _ = _run(tmp_path, "rep", 4, *sets, env=env)
+  assert p.returncode == 1 and "error[E-MEM-001]" in p.stderr, p.stderr
+  assert "--set sharding=fsdp (about " in p.stderr
+  p, m = _run(tmp_path, "fsdp", 4, *sets, "--set", "sharding=fsdp", env=env)
+  assert p.returncode == 0, p.stderr
+  assert len(_losses(m)) == 2
+
+
+def test_a_resume_may_change_the_sharding(tmp_path):
+  ck = tmp_path / "ck"
+  full, mf = _run(tmp_path, "full", 4, "--set", "sharding=fsdp", "--steps", "8")
+  assert full.returncode == 0, full.stderr
+  half, mh = _run(tmp_path, "half", 4, "--set", "sharding=fsdp", "--steps", "4",
+                  "--checkpoint-dir", str(ck))
+  assert half.returncode == 0, half.stderr
+  (step_dir,) = ck.glob("*/4")  # the slug names the --set sharding: resume names the folder
+  rest, mr = _run(tmp_path, "rest", 4, "--set", "sharding=replicate", "--steps", "8",
+                  "--resume", str(step_dir))
+  assert rest.returncode == 0, rest.stderr
+  assert f"resume {step_dir}" in rest.stderr.splitlines()[0]
+  np.testing.assert_allclose(_losses(mh) + _losses(mr), _losses(mf), rtol=0, atol=1e-5)
