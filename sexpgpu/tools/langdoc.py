@@ -101,7 +101,7 @@ LOADERS = {
     "bytes": "windows of a file's bytes (:tokens)",
     "arrays": "rows of the named arrays of an .npz (one field per array)",
     "mix": "a weighted mixture of other loaders",
-    "text": "text files (or a tokenize cache) through a tokenizer (:tokens)",
+    "text": "a `sexpgpu tokenize` cache in rows of packed documents (:tokens :segments :positions)",
 }
 
 OPS = {
