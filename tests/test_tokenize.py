@@ -210,3 +210,22 @@ def test_progress_bar_draws_and_a_pipe_gets_one_summary_line(tmp_path):
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 0 and len(lines) == 1 and lines[0].startswith("tokenize: ")
   assert f"{len(SHIPPED)} sources" in lines[0] and "MB/s" in lines[0]
+
+
+def test_parquet_without_the_column_and_bad_tokenizers_are_coded(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.table({"body": ["a document"]}), tmp_path / "a.parquet")
+  with pytest.raises(SxError) as e:
+    tokenize(Options((str(tmp_path / "a.parquet"),), str(tmp_path / "c"), train_bpe=300),
+             progress=False)
+  assert e.value.code == "E-TOK-001" and "no column `text`; columns: body" in str(e.value)
+  (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')
+  with pytest.raises(SxError) as e:
+    tokenize(Options(tuple(SHIPPED[:1]), str(tmp_path / "c"), tokenizer=str(tmp_path / "bad.json")),
+             progress=False)
+  assert e.value.code == "E-TOK-002" and "not a tokenizer.json" in str(e.value)
+  with pytest.raises(SxError) as e:
+    tokenize(Options(tuple(SHIPPED[:1]), str(tmp_path / "c"), tokenizer=_tokenizer_file(tmp_path),
+                     eos="</s>"), progress=False)
+  assert e.value.code == "E-TOK-002" and "'</s>'" in str(e.value)
