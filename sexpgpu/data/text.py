@@ -245,8 +245,8 @@ def _open_cache(spec: LoaderSpec, uri: str, cache_dir: str | None):
   local = uri if os.path.isabs(uri) else os.path.join(spec.base_dir, uri)
   if not os.path.isdir(local):
     raise load_error("E-LOAD-001", spec, local, "no such token cache folder",
-                     f"build it with `sexpgpu tokenize TEXT... -o {uri} --train-bpe 2048`; "
-                     f"relative paths start at {spec.base_dir or '.'}")
+                     f"build it with `sexpgpu tokenize TEXT... -o {os.path.relpath(local)} "
+                     f"--train-bpe 2048` (the path is relative to the .sx file)")
   manifest = _manifest(spec, uri, local)
   files = {entry["shard"] + ext: os.path.join(local, entry["shard"] + ext)
            for entry in manifest["shards"] for ext in (".idx", ".bin")}
