@@ -7,6 +7,7 @@
 #   4. SEXPGPU_DETERMINISTIC=1: 6 steps straight vs 3 steps + --resume of step 3,
 #      the losses of steps 4..6 bitwise equal; the checkpoint keeps XLA's autotuning
 #      results (read back by the resume)
+#   5. :sharding fsdp against replicate over two devices (when there are two)
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (DEVICE=cpu rehearses 3-4 on the cpu
 # with the smoke variant; doctor then runs without --device cuda)
 # Exit 0 when every step passed; each step prints `PASS|FAIL|WARN <step>: ...`.
@@ -107,6 +108,43 @@ else
   fail "resume: a run failed or no step-3 checkpoint: $(tail -5 "$OUT"/det-*.err | tr '\n' ' ')"
 fi
 unset SEXPGPU_DETERMINISTIC
+
+# 5. :sharding fsdp against replicate over two devices: 10 steps, losses within 1e-5
+if [ "$DEVICE" = cuda ]; then
+  NDEV=$(nvidia-smi -L 2>/dev/null | wc -l)
+  SHARD_ENV=(SEXPGPU_DEVICES=0,1)
+  SHARD=(--device cuda --variant smoke)
+else
+  NDEV=2
+  SHARD_ENV=(SEXPGPU_DEVICES=0,1 XLA_FLAGS=--xla_force_host_platform_device_count=2)
+  SHARD=(--device cpu --variant smoke)
+fi
+if [ "$NDEV" -ge 2 ]; then
+  ok=1
+  for S in replicate fsdp; do
+    env "${SHARD_ENV[@]}" timeout 200 "${SX[@]}" run "$CONFIG" "${SHARD[@]}" --steps 10 \
+      --eval-every 0 --set microbatches=2 --set sharding=$S --metrics "jsonl:$OUT/shard-$S.jsonl" \
+      >"$OUT/shard-$S.out" 2>"$OUT/shard-$S.err" || ok=0
+  done
+  if [ "$ok" = 1 ]; then
+    python - "$OUT/shard-replicate.jsonl" "$OUT/shard-fsdp.jsonl" <<'PY' && say "PASS fsdp: 10 steps over 2 devices, losses within 1e-5 of replicate" || fail "fsdp: losses differ from replicate"
+import json, sys
+def steps(p):
+  return [e for e in map(json.loads, open(p)) if e["kind"] == "step"]
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+d = max(abs(x["train/loss"] - y["train/loss"]) for x, y in zip(a, b))
+ta = sorted(e["time/step"] for e in a[3:])[len(a[3:]) // 2]
+tb = sorted(e["time/step"] for e in b[3:])[len(b[3:]) // 2]
+print(f"max |loss difference| {d:.2e}; median step fsdp/replicate {tb / ta:.3f}")
+sys.exit(0 if len(a) == len(b) == 10 and d <= 1e-5 else 1)
+PY
+    grep -h '  memory ' "$OUT/shard-fsdp.err" | tee -a "$OUT/summary.txt"
+  else
+    fail "fsdp: a run failed: $(tail -5 "$OUT"/shard-*.err | tr '\n' ' ')"
+  fi
+else
+  say "WARN fsdp: one GPU here; sharding needs two (nothing to split)"
+fi
 
 echo "--- summary ($OUT/summary.txt)"
 cat "$OUT/summary.txt"

@@ -85,16 +85,17 @@ class Progress:
   first_pass: dict = dataclasses.field(default_factory=dict)
   last_ckpt: str | None = None
   t_first_step: float | None = None
+  state: str | None = None  # the phase last written
   flops: list = dataclasses.field(default_factory=list)  # model flops of a step, per stage
   peak: float | None = None  # the device's peak flop/s (MFU's denominator)
   _status_at: float = 0.0
 
   def set_status(self, state: str, step: int, force: bool = True) -> None:
-    """Writes the status file (at most once a second while training, unless forced)."""
+    """Writes the status file: at once when the phase changes, else at most once a second."""
     now = time.time()
-    if not force and now - self._status_at < 1.0:
+    if not force and state == self.state and now - self._status_at < 1.0:
       return
-    self._status_at = now
+    self._status_at, self.state = now, state
     sps = eta = None
     if self.step_times:
       sps = 1.0 / max(float(np.median(self.step_times[-20:])), 1e-9)
@@ -291,8 +292,20 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
   feed = new_feed(start)
   step = start
   stopped_by = None
-  pending = None  # the dispatched step whose metrics are not read yet
-  t_ready = None  # when the last step's metrics reached the host
+  pending = None  # the dispatched step whose numbers are not read yet
+  t_ready = None  # when the last step's numbers reached the host
+
+  def drain() -> int | None:
+    """Reads the pending step's numbers (a host sync); returns a signal number when the
+    nodes agreed to stop at that step."""
+    nonlocal pending, t_ready
+    if pending is None:
+      return None
+    t_ready, stop = _report(c, training, pending, t_ready, progress, metrics, profile,
+                            loader_states)
+    pending = None
+    return stop
+
   passes(start, start == steps)
   progress.set_status("running", step)
   try:
@@ -300,14 +313,11 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
       if sig.received is not None and not multi:
         stopped_by = sig.received
         break
-      if pending is not None and not feed.ready():
-        # The loader is behind, so the device will idle anyway: read the last step now, so
-        # its time is the device's, not the wait's.
-        t_ready, stopped = _report(c, training, pending, t_ready, progress, metrics, profile,
-                                   loader_states)
-        pending = None
-        if stopped is not None:
-          stopped_by = stopped
+      if not feed.ready():
+        # The loader is behind and the device will idle anyway: read the last step now,
+        # so its time is the device's and not the wait's.
+        stopped_by = drain()
+        if stopped_by is not None:
           break
       waited = feed.waited
       batches, info = feed.get()
@@ -326,25 +336,16 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
       with _watch(rdv, f"step {step + 1}"), _quiet(multi and step == start):
         state, m = _call_step(c, st, state, batches, sig, step + 1, metrics, log)
       step += 1
-      done = (step, st, m, info, t_dispatch)
       # Host sync point: the previous step's numbers, read while this step runs.
-      if pending is not None:
-        t_ready, stopped = _report(c, training, pending, t_ready, progress, metrics, profile,
-                                   loader_states)
-        pending = None
-        if stopped is not None:
-          stopped_by = stopped
-      pending = done
+      stopped_by = drain()
+      pending = (step, st, m, info, t_dispatch)
       at_end = step == steps
       due_pass = at_end or any(_due(p, step, c) for p in c.exp.passes.values())
       due_ckpt = bool(training_ckpt_every(c)) and step % training_ckpt_every(c) == 0
+      # What follows needs this step's numbers, or several nodes must agree on a stop now.
       if (not o.pipeline or at_end or due_pass or due_ckpt or multi or stopped_by is not None
           or sig.received is not None):
-        t_ready, stopped = _report(c, training, pending, t_ready, progress, metrics, profile,
-                                   loader_states)
-        pending = None
-        if stopped is not None:
-          stopped_by = stopped
+        stopped_by = drain() or stopped_by
       if stopped_by is not None:
         break
       if due_pass and passes(step, at_end) and c.exp.passes:
@@ -357,11 +358,7 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
       if due_ckpt:
         save(step, wait=False)
       progress.set_status("running", step, force=False)
-    if pending is not None:
-      t_ready, stopped = _report(c, training, pending, t_ready, progress, metrics, profile,
-                                 loader_states)
-      pending = None
-      stopped_by = stopped_by if stopped is None else stopped
+    stopped_by = drain() or stopped_by
   except _NonFinite as e:
     feed.close()
     _rewind(c, loader_states)
@@ -438,7 +435,12 @@ def _draw(loader, name: str, k: int, place) -> tuple[dict, dict]:
     st["position"] = base + k
     loader.set_state(st)
   host = {f: np.stack([b[f] for b in mbs]) for f in mbs[0]}
-  tokens = k * int(mbs[0]["tokens"].size) if "tokens" in mbs[0] else None
+  tokens = None
+  if hasattr(loader, "count_tokens"):  # a packed loader: padding is not a token
+    # (several nodes: this process's share, scaled to the step)
+    tokens = sum(loader.count_tokens(b) for b in mbs) * k // len(mbs)
+  elif "tokens" in mbs[0]:
+    tokens = k * int(mbs[0]["tokens"].size)
   return host, {"loader": name, "state": loader.state(), "records": k * loader.batch_size,
                 "tokens": tokens}
 
@@ -727,6 +729,8 @@ def region_lines(regions, notes) -> list[tuple[str, str]]:
            "xla": "XLA attention"}
     became = " + ".join(how[i] for i in impls) or "XLA attention"
     causal = "causal" if all(r.detail.startswith("causal") for r in att) else "mixed masks"
+    if any("segment mask" in r.detail for r in att):
+      causal += ", segment mask"
     text = f"{n} region{'s' if n != 1 else ''} → {became} ({causal})"
     if whys and "cudnn" not in impls:
       text += f": {'; '.join(whys)}"
