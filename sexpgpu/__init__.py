@@ -1,13 +1,14 @@
 """sexpgpu: an experiment compiler. One `.sx` file in, a training run on XLA out."""
 
-from sexpgpu.errors import Loc, SxError
-
 __all__ = ["Experiment", "Loc", "State", "SxError", "compile", "compile_text"]
 
 
 def __getattr__(name: str):
-  # The API is imported on first use, so the CLI's entry point (which imports this
-  # package first) installs its signal handlers before anything slow is loaded.
+  # Everything is imported on first use, so the CLI's entry point (which imports this
+  # package first) installs its signal handlers before anything else is loaded.
+  if name in ("Loc", "SxError"):
+    from sexpgpu import errors
+    return getattr(errors, name)
   if name in ("Experiment", "State", "compile", "compile_text"):
     from sexpgpu import api
     return getattr(api, name)

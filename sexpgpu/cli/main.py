@@ -174,7 +174,8 @@ def _commands() -> dict:
   """The built-in commands plus those of the tool modules (sweep, bundle, watch, plot, doctor)."""
   import importlib
   out = dict(COMMANDS)
-  for mod in ("sexpgpu.cli.tools", "sexpgpu.cli.doctor", "sexpgpu.cli.text"):
+  for mod in ("sexpgpu.cli.tools", "sexpgpu.cli.doctor", "sexpgpu.cli.text",
+              "sexpgpu.cli.models"):
     try:
       m = importlib.import_module(mod)
     except ModuleNotFoundError as e:
@@ -282,6 +283,7 @@ def _stopped(e: _signals.Stopped) -> int:
     status.update(pid=os.getpid(), state="stopped", stopped_by=_signals.SIGNALS.get(e.signum),
                   updated_at=now, error=None)
     status.setdefault("started_at", now)
+    status.setdefault("step", 0)
     try:
       from sexpgpu.paths import write_atomic
       write_atomic(path, json.dumps(status))
