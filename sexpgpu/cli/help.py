@@ -27,6 +27,7 @@ OTHER_VARIABLES = [
     ("SEXPGPU_DETERMINISTIC", "1: bitwise-reproducible GPU runs (slower)"),
     ("SEXPGPU_CPU_COLLECTIVES", "gloo: a multi-node rehearsal on the cpu"),
     ("SEXPGPU_RENDEZVOUS_TIMEOUT", "seconds a node waits at the rendezvous (default 300)"),
+    ("SEXPGPU_REMOTE_TIMEOUT", "seconds a failing remote write or fetch is retried (default 300)"),
     ("SEXPGPU_DEBUG", "1: add Python tracebacks to errors"),
 ]
 # One line per command, and what it takes; a command not named here (one a tool module
@@ -40,6 +41,10 @@ SUMMARIES = {
     "plot": ("METRICS.jsonl ...", "curves from runs' jsonl metrics, as a PNG"),
     "doctor": ("", "check this machine's floor for a device, one line per check"),
     "tokenize": ("SOURCE... -o CACHE", "text files into a resumable token cache"),
+    "export": ("FILE.sx --resume DIR -o OUT", "a checkpoint's parameters as safetensors or an "
+               "HF model folder"),
+    "import": ("HF_DIR -o CKPT_DIR FILE.sx", "a step-0 checkpoint of FILE.sx from an HF model"),
+    "sample": ("FILE.sx --resume DIR --prompt TEXT", "generate tokens from a checkpoint"),
 }
 
 
@@ -58,7 +63,10 @@ def summary(name: str, fn: Callable | None) -> tuple[str, str]:
   doc = (getattr(fn, "__doc__", None) or "").strip().splitlines()
   first = doc[0] if doc else ""
   m = re.match(rf"`sexpgpu {re.escape(name)}\s*([^`]*)`[:.]?\s*(.*)", first)
-  return (m.group(1), m.group(2).rstrip(".")) if m else ("", first)
+  if not m:
+    return "", first
+  # A docstring that is only a usage line: the usage is the meaning too.
+  return m.group(1), m.group(2).rstrip(".") or f"sexpgpu {name} {m.group(1)}".strip()
 
 
 def program_help(commands: dict[str, Callable]) -> str:
