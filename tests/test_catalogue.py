@@ -12,7 +12,8 @@ from sexpgpu.errors import SxError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 CODE = re.compile(r"E-[A-Z]+-\d{3}")
-# codes that 60-errors.md names for features not built yet (55-models.md)
+# codes that 60-errors.md names for features not built yet (55-models.md); only these may be
+# missing from the catalogue
 UNBUILT = {"E-SAMPLE-001", "E-EXPORT-001", "E-INIT-001"}
 
 
@@ -62,7 +63,7 @@ def test_the_catalogue_agrees_with_the_errors_page():
   rows = _spec_rows()
   specified = {c for codes, _ in rows for c in codes}
   assert sorted(set(CATALOGUE) - specified) == []
-  assert specified - set(CATALOGUE) == UNBUILT
+  assert specified - set(CATALOGUE) <= UNBUILT  # each leaves this set when it is built
   for codes, when in rows:
     if len(codes) == 1 and codes[0] in CATALOGUE:
       assert CATALOGUE[codes[0]].title == when, codes[0]
