@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -229,13 +228,8 @@ def _gpu_count() -> int:
   visible = os.environ.get("CUDA_VISIBLE_DEVICES")
   if visible is not None:
     return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
-  if shutil.which("nvidia-smi") is None:
-    return 0
-  try:
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-  except (OSError, subprocess.SubprocessError):
-    return 0
-  return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+  from sexpgpu.devices.doctor import gpus  # the one reading of nvidia-smi
+  return len(gpus())
 
 
 class _Child:
