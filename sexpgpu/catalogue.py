@@ -80,6 +80,9 @@ _ENTRIES = (
           "resume from another step, or start afresh without --resume"),
     Entry("E-CKPT-004", "a checkpoint location that cannot be written",
           "give a checkpoint location that exists and can be written"),
+    Entry("E-CKPT-005", "a checkpoint location in use by another run (the holder named)",
+          "wait for that run to end, or give this run another --checkpoint-dir or "
+          "SEXPGPU_RUN_SLUG"),
     # outputs and the environment
     Entry("E-METRICS-001", "a metrics target that does not parse or cannot be opened",
           "give targets as jsonl:PATH, tensorboard:DIR or mlflow:URI, comma-separated"),

@@ -368,6 +368,7 @@ def test_s3_server_dies_mid_upload(s3, moto, monkeypatch):
   fs, loc = s3
   proxy = KillableProxy(int(moto.rsplit(":", 1)[1]))
   _aws_env(monkeypatch, f"http://127.0.0.1:{proxy.port}")
+  monkeypatch.setenv("SEXPGPU_REMOTE_TIMEOUT", "2")  # retried 2 s, then given up
   small = {"w": np.arange(10, dtype=np.float32)}
   big = {"w": np.random.default_rng(1).standard_normal(25_000_000, dtype=np.float32)}
   store = CheckpointStore(loc, "run", keep=2)
@@ -382,7 +383,9 @@ def test_s3_server_dies_mid_upload(s3, moto, monkeypatch):
     store.wait()
   text = str(e.value)
   assert e.value.code == "E-CKPT-004" and f"{loc}/run/2" in text
-  assert "previous checkpoint at step 1 is intact" in text
+  # the server is gone, so step 1 is named as the last one completed, not claimed intact
+  assert "step 1 (" in text and "last checkpoint this run completed" in text
+  assert "could not be checked now" in text
   assert SECRET not in text and "testing" not in text
   store.close()
   _aws_env(monkeypatch, moto)

@@ -6,7 +6,9 @@ import json
 import os
 import posixpath
 
-from sexpgpu.ckpt.where import COMMIT, LOCAL_DONE, join, strip_scheme
+from sexpgpu.ckpt.manifest import MANIFEST
+from sexpgpu.ckpt.where import COMMIT, LOCAL_DONE, join, reason, strip_scheme
+from sexpgpu.retrying import call as retried
 
 
 def local_files(step_dir: str) -> list[tuple[str, str, int]]:
@@ -21,25 +23,32 @@ def local_files(step_dir: str) -> list[tuple[str, str, int]]:
 
 
 def upload(fs, local_step: str, remote_step: str, step: int) -> int:
-  """Uploads a complete local step folder, then writes its COMMIT marker last.
+  """Uploads a complete local step folder (with its manifest), then its COMMIT marker last.
 
   Any leftover of an earlier, interrupted upload of the same step is removed
-  first (marker first), so the marker only ever vouches for this upload.
+  first (marker first), so the marker only ever vouches for this upload. Each
+  remote call is retried while it fails for a passing reason (retrying.call).
 
   Returns:
     The bytes uploaded.
   """
   key = strip_scheme(remote_step)
-  remove(fs, remote_step)
+  where = remote_step
+  retried(f"removing a leftover of {where}", remove, fs, remote_step, describe=reason)
   files = local_files(local_step)
-  # orbax's own top-level marker goes after the data, so no partial copy has it.
-  data = [f for f in files if f[1] != LOCAL_DONE]
-  for batch in (data, [f for f in files if f[1] == LOCAL_DONE]):
+  # orbax's own top-level marker and the manifest go after the data, so no partial copy
+  # has them; the COMMIT marker goes last of all.
+  last = (LOCAL_DONE, MANIFEST)
+  data = [f for f in files if f[1] not in last]
+  ends = sorted((f for f in files if f[1] in last), key=lambda f: last.index(f[1]))
+  for batch in [data] + [[f] for f in ends]:
     if batch:
-      fs.put([f[0] for f in batch], [f"{key}/{f[1]}" for f in batch])
+      retried(f"upload of {where}", fs.put, [f[0] for f in batch],
+              [f"{key}/{f[1]}" for f in batch], describe=reason)
   total = sum(f[2] for f in files)
   marker = {"step": step, "bytes": total, "files": [f[1] for f in files]}
-  fs.pipe_file(f"{key}/{COMMIT}", json.dumps(marker).encode())
+  retried(f"commit marker of {where}", fs.pipe_file, f"{key}/{COMMIT}",
+          json.dumps(marker).encode(), describe=reason)
   return total
 
 
@@ -82,24 +91,28 @@ def is_committed(fs, remote_step: str) -> bool:
 
 
 def download(fs, remote_step: str, local_dir: str, only: str | None = None) -> None:
-  """Copies a remote step folder (or its `only` subfolder) into local_dir."""
+  """Copies a remote step folder (or its `only` subfolder) into local_dir, with retries."""
   key = strip_scheme(remote_step)
   base = f"{key}/{only}" if only else key
-  fs.invalidate_cache(key)
-  files = [p for p in fs.find(base) if posixpath.basename(p) != COMMIT]
+
+  def listing():
+    fs.invalidate_cache(key)
+    return [p for p in fs.find(base) if posixpath.basename(p) != COMMIT]
+  files = retried(f"listing of {remote_step}", listing, describe=reason)
   if not files:
     raise FileNotFoundError(remote_step)
   targets = [os.path.join(local_dir, *posixpath.relpath(p, key).split("/")) for p in files]
   for target in targets:
     os.makedirs(os.path.dirname(target), exist_ok=True)
-  fs.get(files, targets)
+  retried(f"download of {remote_step}", fs.get, files, targets, describe=reason)
 
 
 def retain(fs, run_dir: str, keep: int) -> None:
   """Deletes all but the `keep` newest committed steps, and stale uncommitted ones."""
-  done, partial = steps(fs, run_dir)
+  done, partial = retried(f"listing of {run_dir}", steps, fs, run_dir, describe=reason)
   newest = done[-1] if done else None
   old = done[:-keep] if keep > 0 else []
   stale = [s for s in partial if newest is not None and s < newest]
   for step in old + stale:
-    remove(fs, join(run_dir, step))
+    retried(f"removal of {join(run_dir, step)}", remove, fs, join(run_dir, step),
+            describe=reason)

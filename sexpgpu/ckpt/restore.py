@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from sexpgpu.ckpt import orbax_io, remote
-from sexpgpu.ckpt.store import latest_step_dir
+from sexpgpu.ckpt import manifest, orbax_io, remote
+from sexpgpu.ckpt.store import latest_step_dir, local_steps
 from sexpgpu.ckpt.where import LOCAL_DONE, is_remote, join, reason, remote_fs, scrub
 from sexpgpu.errors import SxError
 
 _FIX = ("pass --resume a complete step folder (such as <location>/<slug>/<step>) "
         "or --resume latest with --checkpoint-dir")
+_FIX_DAMAGED = ("resume an earlier step folder, or --resume latest, which skips checkpoints "
+                "that do not verify")
+# step folder → a local folder whose files verified against its manifest (a remote step's
+# downloaded copy, or the local step itself), so a resume reads and checks each once
+_VERIFIED: dict[str, str] = {}
+_COPIES: list[str] = []
+
+
+@atexit.register
+def _drop_copies() -> None:
+  for tmp in _COPIES:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_resume(value: str, checkpoint_location: str | None,
@@ -46,7 +60,7 @@ def resolve_resume(value: str, checkpoint_location: str | None,
                     fix="pass --checkpoint-dir DIR (or set SEXPGPU_CHECKPOINT_DIR), "
                     "or --resume a step folder")
     run_dir = join(_normal(checkpoint_location), slug)
-    found = latest_step_dir(run_dir, "--resume latest")
+    found = newest_verified(run_dir, "--resume latest")
     return found, f"latest={scrub(found) if found else 'none'}"
   step_dir = _step_dir_of(_normal(value))
   return step_dir, scrub(step_dir)
@@ -62,10 +76,67 @@ def _step_dir_of(path: str) -> str:
   """`path` if it is a complete step folder, else a run folder's newest step."""
   if _is_complete(path, "--resume"):
     return path
-  newest = latest_step_dir(path, "--resume")
+  newest = newest_verified(path, "--resume")
   if newest is None:
     raise _unreadable(path, "no complete checkpoint there", where="--resume")
   return newest
+
+
+def _committed(run_dir: str, where: str) -> list[int]:
+  if not is_remote(run_dir):
+    return local_steps(run_dir)
+  latest_step_dir(run_dir, where)  # E-CKPT-003 when the location cannot be listed
+  return remote.steps(remote_fs(run_dir, where), run_dir)[0]
+
+
+def newest_verified(run_dir: str, where: str) -> str | None:
+  """The newest step folder under run_dir whose files match its manifest, or None if none is
+  complete. Each newer one that does not verify is skipped with a line naming it and why.
+
+  Raises:
+    SxError: E-CKPT-003 when complete steps exist but none verifies, or the location
+      cannot be listed.
+  """
+  skipped = []
+  for step in reversed(_committed(run_dir, where)):
+    step_dir = join(run_dir, step)
+    why = problem(step_dir)
+    if why is None:
+      return step_dir
+    skipped.append(f"step {step}: {why}")
+    print(f"checkpoint: skipped {scrub(step_dir)}: {why}", file=sys.stderr, flush=True)
+  if skipped:
+    raise SxError("E-CKPT-003", f"no checkpoint under {scrub(run_dir)} verifies: "
+                  + "; ".join(skipped), where=where,
+                  fix="start afresh without --resume (after moving the damaged folder away), "
+                  "or restore the files from a copy")
+  return None
+
+
+def problem(step_dir: str) -> str | None:
+  """What keeps a complete step folder from verifying against its manifest, or None.
+
+  A remote step is downloaded (once) to be checked; its verified copy is what a restore
+  reads afterwards.
+  """
+  step_dir = _normal(step_dir)
+  if step_dir in _VERIFIED:
+    return None
+  if not is_remote(step_dir):  # checked each time: a local folder may change under us
+    return manifest.problem(step_dir)
+  tmp = tempfile.mkdtemp(prefix="sexpgpu-ckpt-restore-")
+  _COPIES.append(tmp)
+  try:
+    remote.download(remote_fs(step_dir, step_dir), step_dir, tmp)
+  except Exception as e:  # pylint: disable=broad-except
+    shutil.rmtree(tmp, ignore_errors=True)
+    return f"it cannot be downloaded ({reason(e)})"
+  why = manifest.problem(tmp)
+  if why is None:
+    _VERIFIED[step_dir] = tmp
+  else:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return why
 
 
 def _is_complete(step_dir: str, where: str) -> bool:
@@ -130,21 +201,22 @@ def restore_checkpoint(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
 
 
 def _read(step_dir: str, reader: Callable[[str], Any], only: str | None = None) -> Any:
+  """reader(a local verified copy of step_dir); `only` is None for the last read of it."""
   step_dir = _normal(step_dir)
   if not _is_complete(step_dir, scrub(step_dir)):
     why = "no such folder" if _missing(step_dir) else "not a complete checkpoint"
     raise _unreadable(step_dir, why)
-  if not is_remote(step_dir):
-    return _guarded(step_dir, reader, step_dir)
-  tmp = tempfile.mkdtemp(prefix="sexpgpu-ckpt-restore-")
+  why = problem(step_dir)
+  if why is not None:
+    raise SxError("E-CKPT-003", f"checkpoint {scrub(step_dir)} does not verify: {why}",
+                  where=scrub(step_dir), fix=_FIX_DAMAGED)
+  local = _VERIFIED.get(step_dir, step_dir)
   try:
-    try:
-      remote.download(remote_fs(step_dir, step_dir), step_dir, tmp, only=only)
-    except Exception as e:  # pylint: disable=broad-except
-      raise _unreadable(step_dir, reason(e)) from e
-    return _guarded(step_dir, reader, tmp)
+    return _guarded(step_dir, reader, local)
   finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    if only is None and local != step_dir:  # the restore proper: the copy is done with
+      _VERIFIED.pop(step_dir, None)
+      shutil.rmtree(local, ignore_errors=True)
 
 
 def _missing(step_dir: str) -> bool:
@@ -160,7 +232,17 @@ def _guarded(step_dir: str, reader: Callable[[str], Any], local_dir: str) -> Any
     raise
   except Exception as e:  # pylint: disable=broad-except
     orbax_io.drop_leftovers()
-    raise _unreadable(step_dir, reason(e)) from e
+    raise _unreadable(step_dir, _plain(e)) from e
+
+
+def _plain(e: BaseException) -> str:
+  """An orbax or tensorstore error without the library's internals (specs, bound methods)."""
+  text = reason(e)
+  for cut in (" <", " {", "[source locations", " with spec", " tensorstore_spec"):
+    at = text.find(cut)
+    if at > 0:
+      text = text[:at].rstrip(" :,(")
+  return text
 
 
 def _check_like(step_dir: str, state: Any, abstract_state: Any) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from typing import Any
 
-from sexpgpu.ckpt import orbax_io, remote
+from sexpgpu.ckpt import lock, manifest, orbax_io, remote
 from sexpgpu.ckpt.where import (LOCAL_DONE, is_remote, join, reason, remote_fs, scrub,
                                 strip_scheme)
 from sexpgpu.errors import SxError
@@ -60,14 +61,16 @@ def local_steps(run_dir: str) -> list[int]:
 
   A step counts only when its integer-named folder holds orbax's
   commit_success.txt, which orbax writes before renaming its tmp folder into
-  place, so a save killed at any point never shows up here.
+  place, and the manifest written after that rename, so a save killed at any
+  point never shows up here.
   """
   try:
     names = os.listdir(run_dir)
   except OSError:
     return []
-  return sorted(int(n) for n in names
-                if n.isdigit() and os.path.isfile(os.path.join(run_dir, n, LOCAL_DONE)))
+  return sorted(int(n) for n in names if n.isdigit()
+                and os.path.isfile(os.path.join(run_dir, n, LOCAL_DONE))
+                and os.path.isfile(os.path.join(run_dir, n, manifest.MANIFEST)))
 
 
 def latest_step_dir(run_dir: str, where: str) -> str | None:
@@ -126,6 +129,7 @@ class CheckpointStore:
     self._failed_step: int | None = None
     self._last: CheckpointInfo | None = None
     self._saved: set[int] = set()
+    self._lock: str | None = None
 
   # -- checks -------------------------------------------------------------
 
@@ -151,6 +155,16 @@ class CheckpointStore:
       raise SxError("E-CKPT-004", f"cannot write to the checkpoint location "
                     f"{scrub(self.run_dir)}: {reason(e)}", where=self.where,
                     fix=self._write_fix()) from e
+    self.hold_lock()
+
+  def hold_lock(self) -> None:
+    """Takes the lock of the run folder for this store (once), so no other run writes there.
+
+    Raises:
+      SxError: E-CKPT-005 while another live run holds it.
+    """
+    if self._lock is None:
+      self._lock = lock.acquire(self.run_dir, self._fs, self.where)
 
   def _write_fix(self) -> str:
     if self.remote:
@@ -221,7 +235,9 @@ class CheckpointStore:
       if self.remote:
         size = self._upload(step)
       else:
-        size = _dir_bytes(os.path.join(self.run_dir, str(step)))
+        local = os.path.join(self.run_dir, str(step))
+        manifest.write(local, step)  # the step counts from here on
+        size = _dir_bytes(local)
       self._last = CheckpointInfo(step, self.step_dir(step), size,
                                   time.monotonic() - started)
     except BaseException as e:  # pylint: disable=broad-except
@@ -230,6 +246,7 @@ class CheckpointStore:
   def _upload(self, step: int) -> int:
     local = os.path.join(self._staging, self.slug, str(step))
     try:
+      manifest.write(local, step)
       size = remote.upload(self._fs, local, self.step_dir(step), step)
       remote.retain(self._fs, self.run_dir, self.keep)
     finally:
@@ -257,13 +274,64 @@ class CheckpointStore:
     return self._last
 
   def _save_error(self, step: int, error: BaseException) -> SxError:
-    if self._last is not None:
-      intact = f"the previous checkpoint at step {self._last.step} is intact"
-    else:
-      intact = "no earlier checkpoint of this run was written by this process"
     return SxError("E-CKPT-004", f"cannot write checkpoint {scrub(self.step_dir(step))}: "
-                   f"{reason(error)}", where=self.where, notes=[("previous", intact)],
-                   fix=self._write_fix())
+                   f"{reason(error)}", where=self.where,
+                   notes=[("previous", self.intact(exclude=step))],
+                   fix=self._write_fix() + self._free_hint(error))
+
+  def _free_hint(self, error: BaseException) -> str:
+    text = f"{type(error).__name__} {error}"
+    if any(w in text for w in ("No space left", "RESOURCE_EXHAUSTED", "ENOSPC", "Disk quota",
+                               "EDQUOT", "QuotaExceeded")):
+      return (f"; the device is full: free space where {scrub(self.run_dir)} lies (older step "
+              "folders other than the intact one named above, other runs' folders), or lower "
+              ":keep, then resume with --resume latest")
+    return ""
+
+  def intact(self, exclude: int | None = None) -> str:
+    """The newest checkpoint of this run that still verifies, checked now, as a sentence.
+
+    Args:
+      exclude: a step to leave out (the one whose save failed).
+    """
+    try:
+      if self.remote:
+        done, _ = remote.steps(self._fs, self.run_dir)
+      else:
+        done = local_steps(self.run_dir)
+    except Exception as e:  # pylint: disable=broad-except
+      known = (f"step {self._last.step} ({scrub(self._last.location)}) was the last "
+               "checkpoint this run completed" if self._last else "this run completed none")
+      return f"{known}; it could not be checked now ({reason(e)})"
+    bad = []
+    for step in reversed([d for d in done if d != exclude]):
+      why = self._problem(step)
+      if why is None:
+        skipped = f" (newer ones do not verify: {'; '.join(bad)})" if bad else ""
+        return (f"the last good checkpoint is step {step} at {scrub(self.step_dir(step))}, "
+                f"checked against its manifest; resume it with --resume latest{skipped}")
+      bad.append(f"step {step}: {why}")
+      if len(bad) >= 3:
+        break
+    if bad:
+      return "no checkpoint of this run verifies: " + "; ".join(bad)
+    return f"no complete checkpoint is left under {scrub(self.run_dir)}"
+
+  def _problem(self, step: int) -> str | None:
+    if not self.remote:
+      return manifest.problem(os.path.join(self.run_dir, str(step)))
+    import json  # pylint: disable=import-outside-toplevel
+    key = strip_scheme(self.step_dir(step))
+    try:  # sizes against the manifest: no download on the way out of a failed run
+      want = json.loads(self._fs.cat_file(f"{key}/{manifest.MANIFEST}"))["files"]
+      got = {p[len(key) + 1:]: int(i.get("size", -1))
+             for p, i in self._fs.find(key, detail=True).items()}
+    except Exception as e:  # pylint: disable=broad-except
+      return f"its manifest cannot be read ({reason(e)})"
+    for rel, entry in sorted(want.items()):
+      if got.get(rel) != entry["bytes"]:
+        return f"{rel} is missing or has another size"
+    return None
 
   # -- reading ------------------------------------------------------------
 
@@ -276,16 +344,39 @@ class CheckpointStore:
     return latest_step_dir(self.run_dir, self.where)
 
   def close(self) -> None:
-    """Waits for the in-flight save, then releases orbax and the staging folder."""
+    """Waits for the in-flight save, then releases orbax, the staging folder and the lock.
+
+    Called while an error is being handled (from an `except` block), it waits for a
+    save in flight a few seconds at most and leaves orbax's threads behind: the error
+    on its way out must not wait on a save that cannot finish.
+    """
+    failing = sys.exc_info()[0] is not None
     try:
-      self.wait()
+      if failing:
+        self._abandon()
+      else:
+        self.wait()
     finally:
-      if self._manager is not None:
-        self._manager.close()
+      try:
+        if failing:  # orbax's threads of a failed save would keep the process alive
+          orbax_io.cancel_stuck_threads()
+        elif self._manager is not None:
+          self._manager.close()
         self._manager = None
-      if self._staging:
-        shutil.rmtree(self._staging, ignore_errors=True)
-        self._staging = None
+      finally:
+        if self._staging and self._thread is None:
+          shutil.rmtree(self._staging, ignore_errors=True)
+          self._staging = None
+        if self._lock is not None:
+          lock.release(self._lock)
+          self._lock = None
+
+  def _abandon(self, grace_s: float = 5.0) -> None:
+    if self._thread is not None:
+      self._thread.join(grace_s)
+      if not self._thread.is_alive():
+        self._thread = None
+    self._error = self._failed_step = None
 
   def __enter__(self) -> "CheckpointStore":
     return self

@@ -17,6 +17,7 @@ from sexpgpu.errors import SxError
 FIX_DEVICES = "list visible ordinals once each, SEXPGPU_DEVICES=0,1"
 FIX_NODES = "set all three on every node, with SEXPGPU_DEVICE=cuda"
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
+DEFAULT_REMOTE_TIMEOUT = 300.0
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -217,6 +218,27 @@ def rendezvous_timeout(env: Mapping[str, str] | None = None) -> float:
   return secs
 
 
+def remote_timeout(env: Mapping[str, str] | None = None) -> float:
+  """Seconds a remote operation of a run (a checkpoint upload, its marker, a loader's
+  fetch) is retried after its first failure: SEXPGPU_REMOTE_TIMEOUT, default 300.
+
+  Raises:
+    SxError: E-ENV-001 when the variable is not a positive number of seconds.
+  """
+  env = os.environ if env is None else env
+  raw = _val(env, "SEXPGPU_REMOTE_TIMEOUT")
+  if raw is None:
+    return DEFAULT_REMOTE_TIMEOUT
+  try:
+    secs = float(raw)
+  except ValueError:
+    secs = -1.0
+  if not secs > 0 or secs != secs or secs == float("inf"):
+    raise SxError("E-ENV-001", f"SEXPGPU_REMOTE_TIMEOUT={raw} is not a positive number of "
+                  "seconds", where="SEXPGPU_REMOTE_TIMEOUT", fix="SEXPGPU_REMOTE_TIMEOUT=300")
+  return secs
+
+
 def parse_stacking(value: str | None) -> int | None:
   """SEXPGPU_STACKING: `auto` or unset (None) or a fixed degree.
 
@@ -293,6 +315,8 @@ VARIABLES: dict[str, Callable[[str | None], Any]] = {
     "SEXPGPU_MEMORY": lambda v: None if not v else parse_memory(v),
     "SEXPGPU_RENDEZVOUS_TIMEOUT": lambda v: rendezvous_timeout(
         {} if v is None else {"SEXPGPU_RENDEZVOUS_TIMEOUT": v}),
+    "SEXPGPU_REMOTE_TIMEOUT": lambda v: remote_timeout(
+        {} if v is None else {"SEXPGPU_REMOTE_TIMEOUT": v}),
     "SEXPGPU_METRICS": parse_metrics,
 }
 

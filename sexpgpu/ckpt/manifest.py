@@ -1,0 +1,95 @@
+"""A step folder's manifest: every file's size and SHA-256, checked before a resume trusts it.
+
+The manifest is written after orbax has finished the step (locally: after its
+rename; remotely: uploaded after the data and before the COMMIT marker), so a
+step counts only when its manifest is there, and a step whose files were
+changed, cut short or lost afterwards is refused by name instead of restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from sexpgpu.paths import write_atomic
+
+MANIFEST = "MANIFEST.json"
+FORMAT = 1
+# files never listed: the manifest itself and the remote commit marker written after it
+UNLISTED = (MANIFEST, "COMMIT")
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 20):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _files(step_dir: str) -> list[tuple[str, str]]:
+  """(absolute path, path relative to step_dir with `/`) of each listed file, sorted."""
+  out = []
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir).replace(os.sep, "/")
+      if rel not in UNLISTED and not name.startswith(f".{MANIFEST}.tmp"):
+        out.append((path, rel))
+  return sorted(out, key=lambda f: f[1])
+
+
+def _digest(body: dict) -> str:
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def build(step_dir: str, step: int) -> dict:
+  """The manifest of a complete local step folder.
+
+  Returns:
+    {"format", "step", "files": {relative path: {"bytes", "sha256"}}, "digest"}, the
+    digest being the SHA-256 of the rest, so a changed manifest is told from a changed file.
+  """
+  files = {rel: {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+           for path, rel in _files(step_dir)}
+  body = {"format": FORMAT, "step": int(step), "files": files}
+  return dict(body, digest=_digest(body))
+
+
+def write(step_dir: str, step: int) -> dict:
+  """Builds the manifest of a local step folder and writes it there (atomically, synced)."""
+  manifest = build(step_dir, step)
+  write_atomic(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1), sync=True)
+  return manifest
+
+
+def problem(step_dir: str) -> str | None:
+  """What is wrong with a local step folder against its manifest, or None when it verifies.
+
+  Returns:
+    A sentence that names the file at fault (the manifest or a listed file), or None.
+  """
+  path = os.path.join(step_dir, MANIFEST)
+  if not os.path.isfile(path):
+    return f"it has no {MANIFEST} (its save never finished, or an older sexpgpu wrote it)"
+  try:
+    with open(path, "rb") as f:
+      manifest = json.loads(f.read().decode("utf-8"))
+    body = {k: manifest[k] for k in ("format", "step", "files")}
+    digest = manifest["digest"]
+    files = dict(body["files"])
+  except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    return f"{MANIFEST} is damaged (it does not parse)"
+  if _digest(body) != digest:
+    return f"{MANIFEST} does not match its own checksum (it was changed after it was written)"
+  for rel, want in sorted(files.items()):
+    local = os.path.join(step_dir, *rel.split("/"))
+    if not os.path.isfile(local):
+      return f"{rel} is missing"
+    size = os.path.getsize(local)
+    if size != want["bytes"]:
+      return f"{rel} has {size} bytes, its manifest says {want['bytes']}"
+    if _sha256(local) != want["sha256"]:
+      return f"{rel} does not match its checksum (it was changed after it was written)"
+  return None

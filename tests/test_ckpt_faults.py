@@ -1,0 +1,169 @@
+"""Checkpoints that lie or cannot be written: manifests refuse damage, latest falls back,
+a failing save leaves the last good step named and the process exits at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.ckpt import CheckpointStore, resolve_resume, restore_checkpoint
+from sexpgpu.ckpt.manifest import MANIFEST
+from sexpgpu.errors import SxError
+
+EXP = os.path.join(ROOT, "tests", "data", "faults.sx")
+INTERNALS = ("<bound method", "pybind11", "TensorStore(", "tensorstore_spec", "Traceback")
+
+
+def _state(seed):
+  rng = np.random.default_rng(seed)
+  return {"w": rng.standard_normal((64, 32)).astype(np.float32),
+          "b": rng.standard_normal(32).astype(np.float32), "pos": np.int64(seed)}
+
+
+def _saved(tmp_path, steps=(1, 2, 3)):
+  store = CheckpointStore(str(tmp_path / "ck"), "run", keep=5)
+  for s in steps:
+    store.save(s, _state(s), {"step": s, "loaders": {"short": {"pos": 10 * s}}}, wait=True)
+  store.close()
+  return tmp_path / "ck" / "run"
+
+
+def _largest(folder, under):
+  files = [p for p in (folder / under).rglob("*") if p.is_file()]
+  return max(files, key=lambda p: p.stat().st_size)
+
+
+def _flip(path, at=None):
+  data = bytearray(path.read_bytes())
+  i = len(data) // 2 if at is None else at
+  data[i] ^= 0x01
+  path.write_bytes(bytes(data))
+
+
+KINDS = {  # which file of a step folder, and how to find it
+    "array data": lambda step: _largest(step, "state"),
+    "meta": lambda step: step / "meta" / "metadata",
+    "manifest": lambda step: step / MANIFEST,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_flipped_byte_is_refused_by_name_and_latest_falls_back(tmp_path, capsys, kind):
+  run = _saved(tmp_path)
+  bad = KINDS[kind](run / "3")
+  _flip(bad)
+  with pytest.raises(SxError) as e:
+    restore_checkpoint(str(run / "3"), _state(0))
+  text = str(e.value)
+  assert e.value.code == "E-CKPT-003" and "does not verify" in text
+  name = MANIFEST if kind == "manifest" else bad.relative_to(run / "3").as_posix()
+  assert name in text, text
+  assert not any(w in text for w in INTERNALS), text
+  step_dir, line = resolve_resume("latest", str(tmp_path / "ck"), "run")
+  assert step_dir == str(run / "2") and line == f"latest={run / '2'}"
+  err = capsys.readouterr().err
+  assert f"checkpoint: skipped {run / '3'}: " in err and name in err
+  got, meta = restore_checkpoint(step_dir, _state(0))
+  assert meta["loaders"] == {"short": {"pos": 20}}
+  assert got["w"].tobytes() == _state(2)["w"].tobytes()
+
+
+def test_a_truncated_array_file_names_the_file_without_internals(tmp_path):
+  run = _saved(tmp_path, steps=(1,))
+  bad = _largest(run / "1", "state")
+  bad.write_bytes(bad.read_bytes()[:100])
+  with pytest.raises(SxError) as e:
+    restore_checkpoint(str(run / "1"), _state(0))
+  text = str(e.value)
+  assert e.value.code == "E-CKPT-003" and bad.relative_to(run / "1").as_posix() in text
+  assert "bytes, its manifest says" in text
+  assert not any(w in text for w in INTERNALS), text
+
+
+def test_an_edited_meta_digit_is_refused(tmp_path):
+  """The campaign's lie: a loader position changed by hand resumed with other losses."""
+  run = _saved(tmp_path, steps=(1, 2))
+  meta = run / "2" / "meta" / "metadata"
+  meta.write_text(meta.read_text().replace('"pos": 20', '"pos": 21'))
+  with pytest.raises(SxError) as e:
+    restore_checkpoint(str(run / "2"), _state(0))
+  assert "meta/metadata" in str(e.value)
+  assert resolve_resume("latest", str(tmp_path / "ck"), "run")[0] == str(run / "1")
+
+
+def test_no_step_verifies_is_an_error_not_a_fresh_start(tmp_path, capsys):
+  run = _saved(tmp_path, steps=(1, 2))
+  for s in ("1", "2"):
+    _flip(run / s / "meta" / "metadata")
+  with pytest.raises(SxError) as e:
+    resolve_resume("latest", str(tmp_path / "ck"), "run")
+  assert e.value.code == "E-CKPT-003" and "no checkpoint under" in str(e.value)
+  assert capsys.readouterr().err.count("checkpoint: skipped") == 2
+
+
+def test_a_step_without_manifest_does_not_count(tmp_path):
+  run = _saved(tmp_path, steps=(1, 2))
+  (run / "2" / MANIFEST).unlink()  # killed after orbax's rename, before the manifest
+  assert CheckpointStore(str(tmp_path / "ck"), "run", keep=5).latest() == str(run / "1")
+
+
+# -- through the command line ------------------------------------------------------------------
+
+
+def _run(*args, env=None, timeout=300):
+  return subprocess.run(sexpgpu_cmd("run", EXP, "--json", *args), cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout, env=env)
+
+
+def _losses(path):
+  return {e["step"]: e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"}
+
+
+def test_resume_latest_skips_a_damaged_newest_step_and_resumes_exactly(tmp_path):
+  full = _run("--checkpoint-dir", str(tmp_path / "ck"), "--metrics", f"jsonl:{tmp_path / 'a'}")
+  assert full.returncode == 0, full.stderr
+  run = tmp_path / "ck" / "faults"
+  _flip(_largest(run / "20", "state"))
+  again = tmp_path / "ck2"
+  shutil.copytree(tmp_path / "ck", again)
+  bad = _run("--checkpoint-dir", str(again), "--resume", str(again / "faults" / "20"))
+  assert bad.returncode == 1 and "error[E-CKPT-003]" in bad.stderr and "does not verify" in bad.stderr
+  assert not any(w in bad.stderr for w in INTERNALS), bad.stderr
+  r = _run("--checkpoint-dir", str(tmp_path / "ck"), "--resume", "latest", "--metrics",
+           f"jsonl:{tmp_path / 'b'}")
+  assert r.returncode == 0, r.stderr
+  assert f"checkpoint: skipped {run / '20'}: state/" in r.stderr
+  assert f"latest={run / '16'}" in r.stderr
+  a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+  assert sorted(b) == [17, 18, 19, 20] and all(a[s] == b[s] for s in b)
+
+
+def test_a_save_that_cannot_be_written_exits_within_seconds(tmp_path):
+  """The location is taken away mid-run: E-CKPT-004 naming what is intact, then exit at once
+  (no thread left waiting on a save that cannot finish)."""
+  ck = tmp_path / "ck"
+  p = subprocess.Popen(sexpgpu_cmd("run", EXP, "--set", "steps=5000", "--checkpoint-dir", str(ck)),
+                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  first = ck / "faults-steps=5000" / "4" / MANIFEST
+  deadline = time.monotonic() + 240
+  while not first.exists() and p.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert first.exists(), p.communicate()[1] if p.poll() is not None else "no checkpoint"
+  os.rename(ck, tmp_path / "gone")
+  (tmp_path / "ck").write_text("not a folder")
+  t = time.monotonic()
+  try:
+    _, err = p.communicate(timeout=60)
+  finally:
+    if p.poll() is None:
+      p.kill()
+  assert time.monotonic() - t < 30, "the run kept going or hung after its save failed"
+  assert p.returncode == 1 and "error[E-CKPT-004]" in err, err
+  assert "previous: no complete checkpoint is left" in err  # checked: the folder is gone
