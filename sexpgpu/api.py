@@ -141,9 +141,12 @@ def compile(path: str, variant: str | None = None, set: dict | None = None,
   Raises:
     SxError: any compile error.
   """
+  from sexpgpu.lang.blame import guarded
   from sexpgpu.run.compile import compile_file
   sets = [(k, _text(v) if not isinstance(v, str) else v) for k, v in (set or {}).items()]
-  return Experiment(compile_file(path, variant, sets, None, diagnostics))
+  # as the CLI does: an error in the standard library is placed at the user's knob
+  return Experiment(guarded(path, variant, sets, None, diagnostics,
+                            lambda: compile_file(path, variant, sets, None, diagnostics)))
 
 
 def compile_text(source: str, name: str = "experiment.sx", variant: str | None = None,

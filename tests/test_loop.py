@@ -189,3 +189,22 @@ def test_a_causal_attentions_products_count_half():
 
   full = 2 * 2 * 2 * 4 * 16 * 16 * 8
   assert node_flops(sdpa(False)) == full and node_flops(sdpa(True)) == full // 2
+
+
+def test_a_pass_metric_that_is_not_finite_stops_the_run(tmp_path):
+  """Every step finite, the evaluation not: the run must not end as if that were a result."""
+  text = open(TINY).read().replace(
+      "(defpass eval :data valid :every 10 :batches 2 :metrics [loss])",
+      "(defn blowup [batch]\n"
+      "  (let [t (get batch :tokens)] (log (* 0.0 (next-token-loss (lm (lm-inputs t)) t)))))\n"
+      "(defpass eval :data valid :every 10 :batches 2 :metrics [loss blowup])")
+  assert "blowup" in text
+  sx = tmp_path / "blowup.sx"
+  sx.write_text(text)
+  status = tmp_path / "s.json"
+  with pytest.raises(sexpgpu.SxError) as e:
+    sexpgpu.compile(str(sx), variant="smoke").run(steps=4, status=str(status))
+  assert e.value.code == "E-NUM-001" and "eval/blowup is not finite at step 0" in str(e.value)
+  assert json.load(open(status))["state"] == "failed"
+  skip = sexpgpu.compile(str(sx), variant="smoke", set={"on-nan": "skip"}).run(steps=4)
+  assert skip.eval["eval/blowup"] == float("-inf") and np.isfinite(skip.eval["eval/loss"])

@@ -248,7 +248,8 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
                  seconds=secs)
   else:
     start = 0
-    state = training.init_state(progress.stage)
+    from sexpgpu.models.warm import start_state  # cold, or warm from :init-from
+    state = start_state(c, training, progress.stage, log)
   loader_states = {n: ld.state() for n, ld in c.loaders.items()}
   stacking = choice.degree
   # The compiler's objects live as long as the run: keep them out of the collector's scans,
@@ -538,6 +539,13 @@ def _run_passes(c, training, place, state, step: int, at_end: bool, resumed_at, 
     log(output.progress_line(name, step, progress.steps, None if step == 0 or
                              progress.train_loss is None else progress.train_loss, values,
                              progress.counters["records"], since))
+    bad = [m for m, v in values.items() if not np.isfinite(v)]
+    if bad and training.on_nan == "stop":
+      # The steps' guard keeps a non-finite update out; a finite but diverged state can
+      # still evaluate to inf or nan, and a run must not end as if that were a result.
+      raise SxError("E-NUM-001", f"{', '.join(bad)} is not finite at step {step}",
+                    where=c.program.path, fix="lower the learning rate or add :clip; the last "
+                    "checkpoint before this step is intact")
     ran = True
   return ran
 
