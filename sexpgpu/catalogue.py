@@ -140,6 +140,19 @@ _ENTRIES = (
           "give UTF-8 text: .txt, .jsonl with the text --field, or .parquet"),
     Entry("E-TOK-002", "a tokenizer named instead of given as a file",
           "give a tokenizer.json file; nothing is downloaded"),
+    # models in and out (55-models.md)
+    Entry("E-SAMPLE-001",
+          "`sample` cannot tell which function maps tokens to logits (the candidates listed) "
+          "(55-models.md)",
+          "pass --fn NAME, a function of the tokens that returns logits [b t vocab]"),
+    Entry("E-EXPORT-001",
+          "a model with parameters that have no place in the chosen format's twin (naming them)",
+          "build the model from std/gpt2, or export with --format safetensors"),
+    Entry("E-INIT-001",
+          "a warm start whose parameters are missing, extra, or of another shape or dtype "
+          "(both sides listed)",
+          "start from a checkpoint of the same model, or set :init-partial true for missing "
+          "parameters"),
 )
 
 CATALOGUE: dict[str, Entry] = {e.code: e for e in _ENTRIES}

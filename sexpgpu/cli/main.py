@@ -42,6 +42,8 @@ def _run_flags() -> flags.FlagValues:
   flags.DEFINE_string("checkpoint_dir", None, "checkpoint location (SEXPGPU_CHECKPOINT_DIR)",
                       flag_values=fv)
   flags.DEFINE_string("resume", None, "DIR, s3://..., or latest (SEXPGPU_RESUME)", flag_values=fv)
+  flags.DEFINE_string("init_from", None, "a warm start: a checkpoint, a .safetensors file or "
+                      "hf:DIR (SEXPGPU_INIT_FROM); the knob :init-from", flag_values=fv)
   flags.DEFINE_bool("json", False, "the summary as one JSON line on standard output",
                     flag_values=fv)
   flags.DEFINE_string("profile", None, "steps A..B to trace with jax.profiler (SEXPGPU_PROFILE)",
@@ -113,10 +115,10 @@ def cmd_run(argv: list[str]) -> int:
   rest = _parse(fv, argv, "run")
   given = _one_file(rest, "run")
   _STARTUP["status"] = fv.status if fv.status is not None else os.environ.get("SEXPGPU_STATUS")
-  from sexpgpu.run.env import run_options
+  from sexpgpu.run.env import init_from_sets, run_options
   from sexpgpu.run.compile import compile_file
   from sexpgpu.run.loop import run_compiled
-  path, variant, sets = given, fv.variant, _sets(fv.set)
+  path, variant, sets = given, fv.variant, init_from_sets(fv.init_from, _sets(fv.set))
   if given.endswith(".sxb"):
     from sexpgpu.tools.bundle import open_bundle
     path, bundled_variant, bundled_sets = open_bundle(given)

@@ -19,6 +19,8 @@ RUN_KNOBS: dict[str, Any] = {
     "steps": None, "microbatches": 1, "seed": 0, "precision": Symbol("f32"),
     "checkpoint-every": 0, "keep": 3, "on-nan": Symbol("stop"),
     "sharding": Symbol("replicate"),
+    # a warm start (55-models.md): a checkpoint, a .safetensors file or hf:DIR
+    "init-from": "", "init-partial": False,
 }
 # Integer knobs other than the seed reach the step as int32 (sizes, counts, steps).
 INT32_LIMIT = 2**31
@@ -29,7 +31,10 @@ RUN_CHOICES = {"precision": ("f32", "bf16"), "on-nan": ("stop", "skip"),
 RUN_MIN = {"steps": 0, "microbatches": 1, "checkpoint-every": 0, "keep": 1, "seed": 0}
 # Knobs outside the experiment's identity: a longer resume is the same run.
 # :sharding is where the state lives, not what is computed: a resume may change it.
-NOT_IN_FINGERPRINT = ("steps", "eval-every", "checkpoint-every", "keep", "sharding")
+# :init-from and :init-partial say where the first parameters came from; a checkpoint holds
+# them already, so `sample`, `export` and a resume need not repeat them.
+NOT_IN_FINGERPRINT = ("steps", "eval-every", "checkpoint-every", "keep", "sharding", "init-from",
+                      "init-partial")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,13 @@ def _env(name: str) -> str | None:
   return v if v not in (None, "") else None
 
 
+def init_from_sets(flag: str | None, sets: list[tuple[str, str]]) -> list[tuple[str, str]]:
+  """`--init-from` (else SEXPGPU_INIT_FROM) as a `--set init-from=...` put first, so that
+  the knob enters the slug as a --set does and a `--set init-from=` given too wins."""
+  value = flag if flag not in (None, "") else _env("SEXPGPU_INIT_FROM")
+  return ([("init-from", value)] if value else []) + list(sets)
+
+
 def stacking_from_env() -> int | None:
   """SEXPGPU_STACKING: `auto` (None) or a fixed degree."""
   return parse_stacking(_env("SEXPGPU_STACKING"))

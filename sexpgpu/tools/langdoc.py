@@ -78,6 +78,11 @@ DEFRUN = {
     "on-nan": "stop (default: E-NUM-001) or skip a step whose loss is not finite",
     "sharding": "replicate (default: a full copy a device), fsdp (parameters, gradients and "
                 "optimizer state split over the devices) or hsdp (split within a node)",
+    "init-from": "a warm start: parameters by path from a checkpoint folder (or s3://), a "
+                 ".safetensors file or hf:DIR; optimizer, step and loaders fresh (also "
+                 "--init-from, SEXPGPU_INIT_FROM; --resume wins)",
+    "init-partial": "true: parameters that :init-from lacks are initialized as declared "
+                    "(default false: E-INIT-001)",
 }
 
 LOADER_KEYWORDS = {

@@ -1,0 +1,163 @@
+"""`sexpgpu export | import | sample`: flags and output; the work is in sexpgpu.models."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import flags
+
+from sexpgpu.cli.main import _parse, _selection_flags, _sets
+from sexpgpu.errors import SxError
+from sexpgpu.lang.blame import guarded
+from sexpgpu.run import output
+
+
+def _compile(path: str, fv):
+  from sexpgpu.run.compile import compile_file
+  sets = _sets(fv.set)
+  return guarded(path, fv.variant, sets, {}, None,
+                 lambda: compile_file(path, fv.variant, sets, {}, None))
+
+
+def _checkpoint_flags(fv: flags.FlagValues) -> None:
+  _selection_flags(fv)
+  flags.DEFINE_string("resume", None, "the checkpoint: a step folder, a run folder, s3://... "
+                      "or latest (with --checkpoint-dir)", flag_values=fv)
+  flags.DEFINE_string("checkpoint_dir", None, "where `--resume latest` looks "
+                      "(SEXPGPU_CHECKPOINT_DIR)", flag_values=fv)
+
+
+def _restored(path: str, fv, command: str):
+  """The compiled experiment, its checkpoint's parameters and meta (E-CKPT-002 if another's)."""
+  from sexpgpu.models import source
+  if not fv.resume:
+    raise SxError("E-FORM-001", f"sexpgpu {command} needs --resume (the checkpoint)",
+                  where="the command line",
+                  fix=f"sexpgpu {command} {path} --resume runs/<slug>/<step> ...")
+  c = _compile(path, fv)
+  where = fv.checkpoint_dir if fv.checkpoint_dir is not None else os.environ.get(
+      "SEXPGPU_CHECKPOINT_DIR")
+  step_dir = source.step_dir_of(fv.resume, where, c.slug)
+  params, meta = source.checkpoint_params(step_dir)
+  source.check_experiment(c, meta, step_dir)
+  return c, params, meta
+
+
+def _one(rest: list[str], command: str, usage: str) -> str:
+  if len(rest) != 1:
+    raise SxError("E-FORM-001", f"sexpgpu {command} takes one experiment file, given "
+                  f"{len(rest)}", where="the command line", fix=usage)
+  return rest[0]
+
+
+# --- export --------------------------------------------------------------------------------
+
+def cmd_export(argv: list[str]) -> int:
+  """`sexpgpu export FILE.sx --resume DIR -o OUT [--format safetensors|hf]`."""
+  from sexpgpu.models import export, sample
+  fv = flags.FlagValues()
+  _checkpoint_flags(fv)
+  flags.DEFINE_string("output", None, "the .safetensors file, or the hf folder", short_name="o",
+                      flag_values=fv)
+  flags.DEFINE_enum("format", "safetensors", list(export.FORMATS), "what to write",
+                    flag_values=fv)
+  flags.DEFINE_string("tokenizer", None, "a tokenizer.json to put in the hf folder (default: "
+                      "the text loader's)", flag_values=fv)
+  usage = "sexpgpu export my-run.sx --resume runs/my-run/100 -o model/ --format hf"
+  path = _one(_parse(fv, argv, "export"), "export", usage)
+  if not fv.output:
+    raise SxError("E-FORM-001", "sexpgpu export needs -o OUT", where="the command line",
+                  fix=usage)
+  c, params, meta = _restored(path, fv, "export")
+  tok = fv.tokenizer
+  if tok is None and fv.format == "hf":
+    found = sample.tokenizer_path(c)
+    tok = found
+  written = export.export(c, params, meta, fv.output, fv.format, tokenizer=tok)
+  sys.stderr.write(f"export: step {meta.get('step')} of {meta.get('slug')} as {fv.format}: "
+                   + ", ".join(written) + "\n")
+  return 0
+
+
+# --- import --------------------------------------------------------------------------------
+
+def cmd_import(argv: list[str]) -> int:
+  """`sexpgpu import HF_DIR -o CKPT_DIR FILE.sx`: a step-0 checkpoint of FILE.sx."""
+  from sexpgpu.models import export
+  fv = flags.FlagValues()
+  _selection_flags(fv)
+  flags.DEFINE_string("output", None, "the checkpoint location (the step is <it>/<slug>/0)",
+                      short_name="o", flag_values=fv)
+  usage = "sexpgpu import hf-model/ -o runs/ my-run.sx"
+  rest = _parse(fv, argv, "import")
+  if len(rest) != 2 or not fv.output:
+    raise SxError("E-FORM-001", "sexpgpu import takes a Hugging Face folder, -o CKPT_DIR and "
+                  "the experiment file", where="the command line", fix=usage)
+  folder, path = rest
+  c = _compile(path, fv)
+  step_dir = export.import_twin(c, folder, fv.output)
+  sys.stderr.write(f"import: {folder} → {step_dir} (step 0 of {c.slug}); train from it with "
+                   f"sexpgpu run {path} --resume {step_dir}\n")
+  return 0
+
+
+# --- sample --------------------------------------------------------------------------------
+
+def cmd_sample(argv: list[str]) -> int:
+  """`sexpgpu sample FILE.sx --resume DIR --prompt TEXT [--tokens N] ...`."""
+  from sexpgpu.models import sample, source
+  fv = flags.FlagValues()
+  _checkpoint_flags(fv)
+  flags.DEFINE_string("fn", None, "the function of the tokens that returns logits",
+                      flag_values=fv)
+  flags.DEFINE_string("prompt", None, "the prompt: text, or token ids separated by spaces",
+                      flag_values=fv)
+  flags.DEFINE_string("prompt_file", None, "read the prompt from this file", flag_values=fv)
+  flags.DEFINE_integer("tokens", 200, "how many tokens to write", lower_bound=1, flag_values=fv)
+  flags.DEFINE_float("temperature", 0.8, "0 is greedy", lower_bound=0.0, flag_values=fv)
+  flags.DEFINE_integer("top_k", 0, "keep the k likeliest tokens (0: all)", lower_bound=0,
+                       flag_values=fv)
+  flags.DEFINE_float("top_p", 1.0, "keep the likeliest tokens holding this mass",
+                     lower_bound=0.0, upper_bound=1.0, flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "the sampling seed: the same continuation every run",
+                       flag_values=fv)
+  flags.DEFINE_string("tokenizer", None, "a tokenizer.json (default: the text loader's cache's)",
+                      flag_values=fv)
+  flags.DEFINE_bool("json", False, "print ids, text and tokens/s as one JSON line",
+                    flag_values=fv)
+  usage = 'sexpgpu sample my-run.sx --resume runs/my-run/100 --prompt "Once upon"'
+  path = _one(_parse(fv, argv, "sample"), "sample", usage)
+  if (fv.prompt is None) == (fv.prompt_file is None):
+    raise SxError("E-FORM-001", "sexpgpu sample takes --prompt TEXT or --prompt-file FILE",
+                  where="the command line", fix=usage)
+  text = fv.prompt
+  if fv.prompt_file is not None:
+    try:
+      with open(fv.prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    except OSError as e:
+      raise SxError("E-FORM-001", f"cannot read --prompt-file {fv.prompt_file}: "
+                    f"{e.strerror}", where="--prompt-file", fix="give a readable text file") from e
+  c, params, meta = _restored(path, fv, "sample")
+  fn = fv.fn or source.default_fn(c)
+  tok = sample.tokenizer_of(c, fv.tokenizer)
+  prompt = tok.encode(text).ids if tok is not None else sample.parse_ids(text)
+  settings = sample.Settings(fv.tokens, fv.temperature, fv.top_k, fv.top_p, fv.seed)
+  result = sample.generate(c, fn, params, prompt, settings)
+  words = tok.decode(result.ids) if tok is not None else " ".join(map(str, result.ids))
+  note = (f"sample: {result.path} decoding ({result.reason}); {len(result.ids)} tokens, "
+          f"{result.tokens_per_s:.1f} tokens/s\n")
+  if fv.json:
+    output.write(sys.stdout, json.dumps(
+        {"prompt_ids": prompt, "ids": result.ids, "text": words, "tokens_per_s":
+         round(result.tokens_per_s, 3), "path": result.path, "step": meta.get("step")},
+        separators=(",", ":")) + "\n")
+  else:
+    output.write(sys.stdout, words + "\n")
+  sys.stderr.write(note)
+  return 0
+
+
+COMMANDS = {"export": cmd_export, "import": cmd_import, "sample": cmd_sample}

@@ -1,0 +1,142 @@
+"""`sexpgpu export` (a .safetensors of .sx paths, or a Hugging Face folder) and `sexpgpu
+import` (a Hugging Face folder → a step-0 checkpoint of an experiment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+
+from sexpgpu.errors import SxError
+from sexpgpu.models import source, twin
+
+FORMATS = ("safetensors", "hf")
+
+
+def _metadata(c, meta: dict) -> dict[str, str]:
+  """safetensors metadata (text only): what the weights are of, and at which step."""
+  from sexpgpu.run import saving
+  knobs = meta.get("knobs") or {k: saving.jsonable(v.value) for k, v in c.selection.knobs.items()}
+  return {"format": source.SX_FORMAT, "fingerprint": str(meta.get("fingerprint", c.fingerprint)),
+          "graph_fingerprint": str(meta.get("graph_fingerprint", c.graph_fingerprint)),
+          "slug": str(meta.get("slug", c.slug)), "step": str(int(meta.get("step", 0))),
+          "knobs": json.dumps(knobs, sort_keys=True),
+          "versions": json.dumps(meta.get("versions") or saving.versions(), sort_keys=True)}
+
+
+def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str]) -> None:
+  import jax.numpy as jnp
+  from safetensors.flax import save_file
+  # through jax arrays, so bf16 stays bf16
+  save_file({k: jnp.asarray(v) for k, v in tensors.items()}, path, metadata=metadata)
+
+
+def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
+           tokenizer: str | None = None) -> list[str]:
+  """Writes the parameters of experiment `c` as `fmt`.
+
+  Args:
+    c: the Compiled experiment whose checkpoint `params` (path → array) and `meta` are.
+    out: a .safetensors file (safetensors) or a folder (hf).
+    fmt: "safetensors" or "hf".
+    tokenizer: a tokenizer.json to copy into the hf folder, if known.
+
+  Returns:
+    The files written.
+
+  Raises:
+    SxError: E-EXPORT-001 when `fmt` is hf and the model is not a gpt2.
+  """
+  if fmt == "safetensors":
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    _save(params, out, _metadata(c, meta))
+    return [out]
+  g = twin.find_gpt2(c.params, c.stages[0].graph, "--format hf")
+  tensors = twin.to_twin(g, params)
+  os.makedirs(out, exist_ok=True)
+  config = g.hf_config()
+  config["sexpgpu"] = {k: v for k, v in _metadata(c, meta).items() if k != "format"}
+  written = [os.path.join(out, "config.json"), os.path.join(out, "model.safetensors")]
+  with open(written[0], "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+  _save(tensors, written[1], {"format": "pt"})
+  if tokenizer:
+    written.append(os.path.join(out, "tokenizer.json"))
+    shutil.copyfile(tokenizer, written[-1])
+  return written
+
+
+def import_twin(c, folder: str, out: str) -> str:
+  """A step-0 checkpoint of experiment `c` from a Hugging Face GPT-2 folder.
+
+  Args:
+    c: the Compiled experiment (a gpt2 model).
+    folder: a folder with config.json and model.safetensors (PyTorch or Flax names).
+    out: the checkpoint location; the step folder is `<out>/<slug>/0`.
+
+  Returns:
+    The step folder written.
+
+  Raises:
+    SxError: E-EXPORT-001 when the experiment's model is not a gpt2; E-INIT-001 when the
+      folder's configuration or tensors do not match it (both sides listed).
+  """
+  g = twin.find_gpt2(c.params, c.stages[0].graph, "sexpgpu import")
+  tensors, config = source.read_twin_folder(folder, folder)
+  problems = config_problems(g, config)
+  params, more = twin.from_twin(g, tensors, folder)
+  problems += more
+  if problems:
+    raise SxError("E-INIT-001", f"{folder} does not fit {c.program.path}: "
+                  + "; ".join(problems), where=folder,
+                  fix="import into an experiment whose gpt2 has the folder's vocab, width, "
+                  "layers, heads and n_positions (the knobs of its config.json)")
+  return write_step0(c, params, out)
+
+
+def config_problems(g: twin.Gpt2, config: dict) -> list[str]:
+  """What of a GPT-2 config.json differs from the experiment's gpt2 (both sides)."""
+  ours = {"model_type": "gpt2", "vocab_size": g.vocab, "n_embd": g.width,
+          "n_layer": g.layers, "n_head": g.heads, "n_positions": g.positions}
+  out = [f"config.json {k} {config.get(k)!r} there, {v!r} here" for k, v in ours.items()
+         if config.get(k) != v]
+  act = config.get("activation_function", "gelu_new")
+  if act not in ("gelu_new", "gelu_pytorch_tanh"):
+    out.append(f"config.json activation_function {act!r} there, the tanh GELU here")
+  eps = float(config.get("layer_norm_epsilon", 1e-5))
+  if abs(eps - g.eps) > 1e-12:
+    out.append(f"config.json layer_norm_epsilon {eps} there, {g.eps} here")
+  if config.get("n_inner") not in (None, 4 * g.width):
+    out.append(f"config.json n_inner {config.get('n_inner')} there, {4 * g.width} here")
+  if config.get("scale_attn_by_inverse_layer_idx") or config.get("tie_word_embeddings") is False:
+    out.append("config.json scales attention by layer or unties the head; gpt2 does neither")
+  return out
+
+
+def write_step0(c, params: dict[str, np.ndarray], out: str) -> str:
+  """A checkpoint of experiment `c` at step 0 holding `params`, a fresh optimizer and
+  fresh loaders: `sexpgpu run FILE.sx --resume <it>` trains from there."""
+  import jax
+  from sexpgpu.ckpt import CheckpointStore
+  from sexpgpu.ir.ops import DTYPES
+  from sexpgpu.lower.optim import make_optimizer
+  from sexpgpu.lower.step import init_state
+  from sexpgpu.run import saving
+  opt, _ = make_optimizer(c.exp.optimizer, int(c.exp.run["steps"]))
+  host = {k: jax.numpy.asarray(v, DTYPES[c.params[k].dtype]) for k, v in params.items()}
+  state = init_state(host, opt)
+  counters = {"records": 0}
+  if any("tokens" in f for f in c.fields.values()):
+    counters["tokens"] = 0
+  progress = SimpleNamespace(stage=0, counters=counters, last_pass={}, train_loss=None)
+  place = SimpleNamespace(ranks=1, nodes=1, mesh=None, first=SimpleNamespace(platform="cpu"))
+  meta = saving.meta(c, progress, 0, place, "f32", 1,
+                     {n: ld.state() for n, ld in c.loaders.items()})
+  meta.pop("stacking")  # a run from here chooses its own
+  meta["imported"] = True
+  with CheckpointStore(out, c.slug, keep=1, where="-o") as store:
+    store.save(0, state, meta, wait=True)
+    return store.step_dir(0)

@@ -1,0 +1,174 @@
+"""Decoding a function from tokens to logits: the window recomputed for every new token.
+
+The model is written once, for training; decoding calls its graph, built for a window of W
+positions, on the last W tokens and reads the logits of the newest one. Padding the window
+past the newest token changes nothing for a causal model, so the whole continuation is one
+compiled `lax.fori_loop`, with the same numbers on every run for a seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sexpgpu.errors import SxError
+from sexpgpu.models import forward, source
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How to choose each next token: temperature 0 is greedy; top-k 0 and top-p 1 keep all."""
+
+  tokens: int = 200
+  temperature: float = 0.8
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class Result:
+  """A continuation: its token ids, and how fast they came."""
+
+  ids: list[int]
+  seconds: float
+  path: str  # "recompute"
+  reason: str  # why that path
+
+  @property
+  def tokens_per_s(self) -> float:
+    return len(self.ids) / max(self.seconds, 1e-9)
+
+
+def window(c, fn: str) -> int:
+  """The longest token window `fn` builds on: a gpt2's n_positions, else the loss's length
+  (a learned position table of the training length), else one less."""
+  from sexpgpu.models.twin import find_gpt2
+  try:
+    return find_gpt2(c.params, c.stages[0].graph, "sample").positions
+  except SxError:
+    pass
+  lengths = source.token_lengths(c)
+  for t in lengths:
+    try:
+      source.logits_graph(c, fn, t)
+      return t
+    except SxError:
+      continue
+  raise SxError("E-SAMPLE-001", f"`({fn} tokens)` builds on no window of the loaders' "
+                f"lengths {lengths}", where=f"--fn {fn}",
+                fix="pass --fn a function of tokens [b t] that returns logits [b t vocab]")
+
+
+def choose(logits, key, s: Settings):
+  """The next token from logits [vocab] (f32) under the settings."""
+  if s.temperature <= 0:
+    return jnp.argmax(logits).astype(jnp.int32)
+  logits = logits / s.temperature
+  if s.top_k and s.top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, s.top_k)[0][-1]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if s.top_p < 1.0:
+    order = jnp.argsort(-logits)
+    probs = jax.nn.softmax(logits[order])
+    before = jnp.cumsum(probs) - probs  # the mass of the more likely tokens
+    drop_sorted = before >= s.top_p  # the first token always stays
+    drop = jnp.zeros_like(drop_sorted).at[order].set(drop_sorted)
+    logits = jnp.where(drop, -jnp.inf, logits)
+  return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+def recompute_decoder(f, w: int, s: Settings):
+  """A jitted `ids = decode(params, buf, n_prompt)`: `s.tokens` new tokens, each from one
+  full forward `f` of the last `w` tokens."""
+
+  def decode(params, buf, n):
+    key = jax.random.key(s.seed)
+
+    def body(i, carry):
+      buf, n, out = carry
+      logits = f(params, buf[None, :])[0]
+      nxt = choose(logits[jnp.minimum(n, w) - 1], jax.random.fold_in(key, i), s)
+      full = n >= w
+      shifted = jnp.where(full, jnp.roll(buf, -1), buf)
+      buf = shifted.at[jnp.where(full, w - 1, n)].set(nxt)
+      return buf, n + 1, out.at[i].set(nxt)
+
+    out = jnp.zeros((s.tokens,), jnp.int32)
+    return jax.lax.fori_loop(0, s.tokens, body, (buf, n, out))[2]
+
+  return jax.jit(decode)
+
+
+def generate(c, fn: str, params: dict, prompt: list[int], s: Settings) -> Result:
+  """`s.tokens` tokens after `prompt` from the model `fn` of experiment `c`.
+
+  Raises:
+    SxError: E-FORM-001 for an empty prompt or a token outside the vocabulary.
+  """
+  w = window(c, fn)
+  graph_vocab = source.logits_graph(c, fn, w).outputs["out"].shape[-1]
+  if not prompt:
+    raise SxError("E-FORM-001", "the prompt is empty", where="--prompt",
+                  fix='give at least one token: --prompt "text" (or ids: --prompt "3 1 4")')
+  bad = [t for t in prompt if not 0 <= t < graph_vocab]
+  if bad:
+    raise SxError("E-FORM-001", f"prompt tokens {bad[:8]} are outside the model's "
+                  f"vocabulary of {graph_vocab}", where="--prompt",
+                  fix=f"give ids in 0..{graph_vocab - 1}, or text with its tokenizer")
+  prompt = prompt[-w:]
+  buf = np.zeros((w,), np.int32)
+  buf[:len(prompt)] = prompt
+  f = forward.forward(c, fn, w)
+  p = forward.device_params(c, params)
+  args = (p, jnp.asarray(buf), jnp.int32(len(prompt)))
+  decode = recompute_decoder(f, w, s).lower(*args).compile()  # tokens/s without compiling
+  t0 = time.perf_counter()
+  ids = np.asarray(decode(*args))
+  seconds = time.perf_counter() - t0
+  return Result([int(i) for i in ids], seconds, "recompute",
+                "the compiler's incremental (KV-cache) decode is not built yet")
+
+
+def tokenizer_path(c) -> str | None:
+  """The tokenizer.json of a text loader's local token cache, or None."""
+  for ld in c.loaders.values():
+    uri = getattr(ld, "uri", None)
+    if isinstance(uri, str) and os.path.isfile(os.path.join(uri, "tokenizer.json")):
+      return os.path.join(uri, "tokenizer.json")
+  return None
+
+
+def tokenizer_of(c, given: str | None):
+  """The tokenizer (a `tokenizers.Tokenizer`) from --tokenizer or a text loader's local
+  cache, or None: then prompts and continuations are token ids."""
+  from tokenizers import Tokenizer
+  path = given if given is not None else tokenizer_path(c)
+  if path is None:
+    return None
+  try:
+    return Tokenizer.from_file(path)
+  except Exception as e:  # pylint: disable=broad-except
+    raise SxError("E-TOK-002", f"--tokenizer {path}: not a tokenizer.json ({e})",
+                  where="--tokenizer", fix="pass the tokenizer.json file") from e
+
+
+def parse_ids(text: str) -> list[int]:
+  """`"3 1 4"` → [3, 1, 4].
+
+  Raises:
+    SxError: E-FORM-001 when a word is not an integer (and no tokenizer is known).
+  """
+  out = []
+  for word in text.split():
+    if not word.lstrip("-").isdigit():
+      raise SxError("E-FORM-001", f"the prompt word {word!r} is not a token id, and this "
+                    "experiment has no tokenizer", where="--prompt",
+                    fix='give ids separated by spaces (--prompt "3 1 4"), or --tokenizer FILE')
+    out.append(int(word))
+  return out
