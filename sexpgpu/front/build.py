@@ -6,9 +6,10 @@ import dataclasses
 from typing import Any
 
 from sexpgpu.errors import Loc, SxError, did_you_mean
+from sexpgpu.front.values import Batch, Builtin, Closure, Env, ParamRef, Spec
 from sexpgpu.ir.graph import Body, Graph, Init, Node, Param, type_str
 from sexpgpu.ir.shapes import ShapeRuleError, infer, literal_type
-from sexpgpu.front.values import Batch, Builtin, Closure, Env, ParamRef, Spec
+from sexpgpu.lang.program import split_keywords
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
 
 SPECIAL_FORMS = ("let", "if", "fn", "repeat", "param", "tap", "get", "or", "and", "not", "do")
@@ -137,27 +138,9 @@ class Builder:
 
   def call_form(self, form: List, env: Env) -> Any:
     fn = self.eval(form.items[0], env)
-    args, kw, arg_forms, kw_forms, kw_locs = [], {}, [], {}, {}
-    items = form.items[1:]
-    i = 0
-    while i < len(items):
-      it = items[i]
-      if isinstance(it, Atom) and isinstance(it.value, Keyword):
-        if i + 1 >= len(items):
-          raise SxError("E-FORM-001", f"keyword :{it.value} has no value", location=it.loc,
-                        fix=f"write :{it.value} VALUE")
-        key = str(it.value)
-        kw_forms[key] = items[i + 1]
-        kw_locs[key] = it.loc
-        kw[key] = items[i + 1] if key == "as" else self.eval(items[i + 1], env)
-        i += 2
-      else:
-        if kw:
-          raise SxError("E-FORM-001", f"positional argument `{it}` after keyword arguments",
-                        location=it.loc, fix="put positional arguments before :keywords")
-        args.append(self.eval(it, env))
-        arg_forms.append(it)
-        i += 1
+    arg_forms, kw_forms, kw_locs = split_keywords(form, 1, None, "a call")
+    args = [self.eval(f, env) for f in arg_forms]
+    kw = {k: f if k == "as" else self.eval(f, env) for k, f in kw_forms.items()}
     name = str(form.items[0]) if isinstance(form.items[0], Atom) else "fn"
     return self.apply(fn, args, kw, Call(name, form, args, kw, arg_forms, kw_forms, kw_locs))
 
@@ -346,20 +329,12 @@ class Builder:
     return self.param_node(path, shape, init, dtype, form.loc)
 
   def _keywords(self, form: List, start: int, env: Env, allowed: tuple, what: str) -> dict:
-    out = {}
-    items = form.items[start:]
-    if len(items) % 2:
-      raise SxError("E-FORM-001", f"{what}: a keyword without value", location=form.loc,
-                    fix=f"write {what}'s options as :key VALUE pairs")
-    for k, v in zip(items[::2], items[1::2]):
-      if not (isinstance(k, Atom) and isinstance(k.value, Keyword)):
-        raise SxError("E-FORM-001", f"{what}: expected a :keyword, found `{k}`", location=k.loc,
-                      fix="known keywords: " + " ".join(":" + a for a in allowed))
-      if str(k.value) not in allowed:
-        raise SxError("E-FORM-002", f"{what} has no keyword :{k.value}", location=k.loc,
-                      fix="known keywords: " + " ".join(":" + a for a in allowed))
-      out[str(k.value)] = v if str(k.value) == "as" else self.eval(v, env)
-    return out
+    """The `:key value` options after `start`, evaluated (`:as` kept as written)."""
+    pos, kws, _ = split_keywords(form, start, allowed, what)
+    if pos:
+      raise SxError("E-FORM-001", f"{what}: expected a :keyword, found `{pos[0]}`",
+                    location=pos[0].loc, fix="known keywords: " + " ".join(":" + a for a in allowed))
+    return {k: v if k == "as" else self.eval(v, env) for k, v in kws.items()}
 
   def _sf_repeat(self, form: List, env: Env) -> Node:
     if len(form.items) < 4:
