@@ -133,7 +133,9 @@ def leg_sexpgpu(shape: dict, total: int, stacking: int | None = None,
   os.unlink(path)
   steps = [e for e in events if e["kind"] == "step"]
   ends = [e["time"] for e in steps]
-  return {"first": ends[0] - t0, "step": [e["time/step"] for e in steps],
+  chosen = [e for e in events if e["kind"] == "annotation" and e["name"] == "stacking"][-1]
+  return {"stacking": f"{chosen['degree']} ({chosen['how']})",
+          "first": ends[0] - t0, "step": [e["time/step"] for e in steps],
           "loop": [b - a for a, b in zip(ends, ends[1:])],
           "loss": [e["train/loss"] for e in steps], "rss0": rss0}
 
@@ -367,7 +369,8 @@ def bench_shape(shape_name: str, steps: int, warmup: int, rounds: int, legs, jax
         "first_s": statistics.median([x["first"] for x in rs]),
         "rss_mib": max(x["rss_growth_mib"] for x in rs), "loss": rs[0]["loss"],
         "round_step_s": [statistics.median(x["step"][warmup:]) for x in rs],
-        "round_loop_s": [statistics.median(x["loop"][warmup:]) for x in rs]}
+        "round_loop_s": [statistics.median(x["loop"][warmup:]) for x in rs],
+        "stacking": sorted({x["stacking"] for x in rs if "stacking" in x})}
   return out
 
 
@@ -404,7 +407,8 @@ def report(res: dict) -> list[str]:
       if name in L:
         r = L[name]["loop_s"] / fixed[best]["loop_s"]
         source = "an older model's cache" if name.endswith("old") else "a fresh cache"
-        lines.append(f"stacking {res['shape']} {name} (auto, {source}): loop {L[name]['loop_s'] * 1e3:.2f} ms against the best fixed degree "
+        lines.append(f"stacking {res['shape']} {name} (auto, {source}, chose "
+                     f"{', '.join(L[name]['stacking'])}): loop {L[name]['loop_s'] * 1e3:.2f} ms against the best fixed degree "
                      f"{best}'s {fixed[best]['loop_s'] * 1e3:.2f} ms: {r:.3f}  target <= 1.05: "
                      f"{'met' if r <= 1.05 else 'MISSED'}")
   n = min(3, len(a["loss"]))

@@ -303,6 +303,27 @@ def parse_metrics(value: str | None) -> list:
   return parse(value, "SEXPGPU_METRICS")
 
 
+def parse_step_range(value: str | None, where: str = "SEXPGPU_PROFILE") -> tuple[int, int] | None:
+  """`A..B` (or `A`): the steps, 1-based and inclusive, that --profile records.
+
+  Raises:
+    SxError: E-ENV-001 naming `where` (the flag or the variable) when it does not parse.
+  """
+  if value is None or value == "":
+    return None
+  a, dots, b = value.strip().partition("..")
+  try:
+    lo = int(a)
+    hi = int(b) if dots else lo
+  except ValueError:
+    lo = hi = -1
+  if lo < 1 or hi < lo:
+    raise SxError("E-ENV-001", f"{where} {value!r} is not a step range A..B with 1 ≤ A ≤ B",
+                  where=where, fix=f"{where}{'=' if where.startswith('SEXPGPU_') else ' '}"
+                  "5..10 records steps 5 to 10")
+  return lo, hi
+
+
 # Each variable that parses on its own: name → parser of its text (None when unset).
 # SEXPGPU_DEVICES and the node variables need the device; `check_variables` adds them.
 VARIABLES: dict[str, Callable[[str | None], Any]] = {
@@ -318,6 +339,7 @@ VARIABLES: dict[str, Callable[[str | None], Any]] = {
     "SEXPGPU_REMOTE_TIMEOUT": lambda v: remote_timeout(
         {} if v is None else {"SEXPGPU_REMOTE_TIMEOUT": v}),
     "SEXPGPU_METRICS": parse_metrics,
+    "SEXPGPU_PROFILE": parse_step_range,
 }
 
 

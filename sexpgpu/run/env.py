@@ -57,6 +57,7 @@ def run_options(path: str, fv) -> RunOptions:
   return RunOptions(
       file=path, device=device,
       metrics=fv.metrics if fv.metrics is not None else _env("SEXPGPU_METRICS"),
+      metrics_where="--metrics" if fv.metrics is not None else "SEXPGPU_METRICS",
       status=fv.status if fv.status is not None else _env("SEXPGPU_STATUS"),
       checkpoint_dir=fv.checkpoint_dir if fv.checkpoint_dir is not None
       else _env("SEXPGPU_CHECKPOINT_DIR"),

@@ -42,6 +42,7 @@ class RunOptions:
   profile: tuple[int, int] | None = None  # steps A..B to trace
   profile_dir: str | None = None
   pipeline: bool = True  # batches drawn ahead and metrics read one step late
+  metrics_where: str = "--metrics"  # the flag or variable `metrics` came from, for errors
 
 
 @dataclasses.dataclass
@@ -163,7 +164,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   open_s = time.perf_counter() - t_open
   microbatches_divide(k, place.ranks)
   store, resume_dir, resume_text = _checkpoint_setup(c, o, node)
-  metrics = open_metrics(o.metrics if node == 0 else None, c.slug)
+  metrics = open_metrics(o.metrics if node == 0 else None, c.slug, where=o.metrics_where)
   log(output.config_line(o.file, c.slug, o.device, steps, k,
                          _evals_field(c.exp.passes, run.get("eval-every")),
                          ",".join(c.diagnostics) or "-", run["precision"], run["seed"],

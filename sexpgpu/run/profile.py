@@ -8,27 +8,18 @@ import gzip
 import json
 import os
 
-from sexpgpu.errors import SxError
 
 TOP = 5
 
 
 def parse_range(text: str, where: str) -> tuple[int, int]:
-  """`A..B` (or `A`) as the steps (1-based, inclusive) to record.
+  """`A..B` (or `A`) as the steps (1-based, inclusive) to record (devices/env.py's parser).
 
   Raises:
     SxError: E-ENV-001 naming `where` (the flag or the variable) when it does not parse.
   """
-  a, dots, b = text.strip().partition("..")
-  try:
-    lo = int(a)
-    hi = int(b) if dots else lo
-  except ValueError:
-    lo = hi = -1
-  if lo < 1 or hi < lo:
-    raise SxError("E-ENV-001", f"{where} {text!r} is not a step range A..B with 1 ≤ A ≤ B",
-                  where=where, fix="--profile 5..10 records steps 5 to 10")
-  return lo, hi
+  from sexpgpu.devices.env import parse_step_range
+  return parse_step_range(text, where)
 
 
 def default_dir(slug: str, metrics: str | None) -> str:
