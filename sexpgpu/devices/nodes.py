@@ -198,6 +198,9 @@ def initialize(cfg: NodeConfig, timeout_s: float,
   wd.arm("jax.distributed.initialize")  # before: initialize itself may hang or abort
   if cfg.collectives == "gloo":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service takes SIGTERM's handler from ours and swallows the signal; the
+  # nodes agree on a stop through the step's own stop flags instead.
+  jax.config.update("jax_enable_preemption_service", False)
   longer = int(timeout_s) + MARGIN_S
   with quiet_collectives():
     jax.distributed.initialize(coordinator_address=cfg.rendezvous, num_processes=cfg.nodes,

@@ -335,8 +335,13 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
       t_dispatch = time.perf_counter()
       if progress.t_first_step is None:
         progress.t_first_step = t_dispatch
-      with _watch(rdv, f"step {step + 1}"), _quiet(multi and step == start):
+      first_cross_node = multi and step == start
+      with _watch(rdv, f"step {step + 1}"), _quiet(first_cross_node):
         state, m = _call_step(c, st, state, batches, sig, step + 1, metrics, log)
+        if first_cross_node:
+          # The first collective connects gloo's peers, which prints a line of its own when
+          # it runs, not when it is dispatched: wait for it inside the quiet block.
+          jax.block_until_ready(m)
       step += 1
       # Host sync point: the previous step's numbers, read while this step runs.
       stopped_by = drain()
