@@ -298,8 +298,9 @@ def check_checkpoints(environ: Mapping[str, str]) -> list[Check]:
     if out[-1].status == "fail":
       return out
   try:
-    store = CheckpointStore(loc, ".sexpgpu-doctor", 1, where="SEXPGPU_CHECKPOINT_DIR")
-    store.check_writable()
+    # Closed before the read-back removes the probe folder: the store's lock lives in it.
+    with CheckpointStore(loc, ".sexpgpu-doctor", 1, where="SEXPGPU_CHECKPOINT_DIR") as store:
+      store.check_writable()
     if not is_remote(loc):
       _read_back(store.run_dir)
   except SxError as e:
