@@ -15,6 +15,9 @@ CODE = re.compile(r"E-[A-Z]+-\d{3}")
 # codes that 60-errors.md names for features not built yet; only these may be missing from
 # the catalogue
 UNBUILT: set[str] = set()
+# codes an issue asked for that the errors page does not list yet (the lock of a checkpoint
+# location: "a new error code naming the holder"); the page is the design's, not ours to edit
+BEYOND_THE_PAGE = {"E-CKPT-005"}
 
 
 def _codes_in(paths) -> dict[str, list[str]]:
@@ -62,7 +65,8 @@ def _spec_rows() -> list[tuple[list[str], str]]:
 def test_the_catalogue_agrees_with_the_errors_page():
   rows = _spec_rows()
   specified = {c for codes, _ in rows for c in codes}
-  assert sorted(set(CATALOGUE) - specified) == []
+  assert sorted(set(CATALOGUE) - specified - BEYOND_THE_PAGE) == []
+  assert not BEYOND_THE_PAGE & specified  # listed now: it leaves BEYOND_THE_PAGE
   assert specified - set(CATALOGUE) <= UNBUILT  # each leaves this set when it is built
   for codes, when in rows:
     if len(codes) == 1 and codes[0] in CATALOGUE:
