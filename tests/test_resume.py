@@ -141,6 +141,8 @@ def test_rank_count_differs_is_e_dp_002(full, tmp_path):
   for path in meta_files:
     text = open(path).read().replace('"ranks": 1', '"ranks": 2').replace('"ranks":1', '"ranks":2')
     open(path, "w").write(text)
+  from sexpgpu.ckpt import manifest
+  manifest.write(str(dst), 60)  # as a two-rank run would have written it: it verifies
   r = subprocess.run(sexpgpu_cmd("run", EXP, "--resume", str(dst)), cwd=ROOT,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 1 and "error[E-DP-002]" in r.stderr, r.stderr
