@@ -19,6 +19,7 @@ from typing import Any, Callable
 # (name, text) → None; the run adds one that emits an annotation
 _LISTENERS: list[Callable[[str, str], None]] = []
 _LOCK = threading.Lock()
+_REACHED: set[str] = set()  # stores that answered in this process
 FIRST_PAUSE_S = 0.5
 MAX_PAUSE_S = 10.0
 
@@ -64,7 +65,7 @@ def deadline_s() -> float:
 
 def call(what: str, fn: Callable[..., Any], *args, timeout_s: float | None = None,
          prefix: str = "checkpoint", describe: Callable[[BaseException], str] | None = None,
-         **kwargs) -> Any:
+         store: str | None = None, **kwargs) -> Any:
   """fn(*args, **kwargs), tried again with backoff while it fails for a passing reason.
 
   Args:
@@ -74,6 +75,9 @@ def call(what: str, fn: Callable[..., Any], *args, timeout_s: float | None = Non
       (default: SEXPGPU_REMOTE_TIMEOUT).
     prefix: the lines' first word (`checkpoint`, `data`).
     describe: a credential-free account of an error (default: its type and text).
+    store: the store's name (its endpoint): when given, a store that has not answered
+      yet in this process is not retried, so a wrong endpoint or a dead server at the
+      start of a run is reported at once rather than after the deadline.
 
   Returns:
     What fn returns.
@@ -91,7 +95,7 @@ def call(what: str, fn: Callable[..., Any], *args, timeout_s: float | None = Non
     try:
       out = fn(*args, **kwargs)
     except BaseException as e:  # pylint: disable=broad-except
-      if permanent(e):
+      if permanent(e) or (store is not None and store not in _REACHED):
         raise
       now = time.monotonic()
       if first is None:
@@ -106,6 +110,8 @@ def call(what: str, fn: Callable[..., Any], *args, timeout_s: float | None = Non
       time.sleep(min(pause, left))
       pause = min(pause * 2, MAX_PAUSE_S)
       continue
+    if store is not None:
+      _REACHED.add(store)
     if first is not None:
       _say("retry-succeeded", f"{prefix}: {what} succeeded after {tries} tries in "
                               f"{time.monotonic() - first:.1f}s")

@@ -167,3 +167,33 @@ def test_a_save_that_cannot_be_written_exits_within_seconds(tmp_path):
   assert time.monotonic() - t < 30, "the run kept going or hung after its save failed"
   assert p.returncode == 1 and "error[E-CKPT-004]" in err, err
   assert "previous: no complete checkpoint is left" in err  # checked: the folder is gone
+
+
+# -- a metrics file cut off by a full disk ------------------------------------------------------
+
+
+def test_a_cut_off_metrics_line_is_repaired_before_a_resume_appends(tmp_path, capsys):
+  from sexpgpu.track.jsonl_target import JsonlTarget
+  path = tmp_path / "m.jsonl"
+  path.write_text('{"kind":"step","step":1}\n{"kind":"step","st')  # the disk filled mid-line
+  t = JsonlTarget(f"jsonl:{path}", str(path), "s")
+  t.write({"kind": "step", "step": 2})
+  t.close()
+  assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+  assert "ended in a cut-off line (18 bytes" in capsys.readouterr().err
+  whole = path.read_text()
+  JsonlTarget(f"jsonl:{path}", str(path), "s").close()  # a whole file is left as it is
+  assert path.read_text() == whole and capsys.readouterr().err == ""
+
+
+def test_a_metrics_write_that_fails_is_taken_back(tmp_path):
+  """/dev/full: every write fails with ENOSPC; the file keeps its whole lines."""
+  from sexpgpu.track.jsonl_target import JsonlTarget
+  from sexpgpu.track.targets import TargetError
+  if not os.path.exists("/dev/full"):
+    pytest.skip("no /dev/full")
+  t = JsonlTarget("jsonl:/dev/full", "/dev/full", "s")
+  with pytest.raises(TargetError) as e:
+    t.write({"kind": "step", "step": 1})
+  assert "No space left on device" in str(e.value)
+  t.close()

@@ -109,6 +109,7 @@ def test_server_dies_during_a_save(moto, tmp_path):
   proxy = KillableProxy(int(moto.rsplit(":", 1)[1]))
   m = tmp_path / "m.jsonl"
   env = _env(f"http://127.0.0.1:{proxy.port}")
+  env["SEXPGPU_REMOTE_TIMEOUT"] = "3"  # the save is retried 3 s, then E-CKPT-004
   p = subprocess.Popen(sexpgpu_cmd("run", EXP, "--set", "width=512", "--steps", "400",
                                    "--set", "checkpoint-every=2", "--eval-every", "0",
                                    "--checkpoint-dir", "s3://runs/dying", "--metrics",

@@ -78,8 +78,10 @@ def _s3_fs():
   fs = s3fs.S3FileSystem(
       client_kwargs=client_kwargs,
       config_kwargs={"connect_timeout": 5, "read_timeout": 60,
-                     "retries": {"max_attempts": 2, "mode": "standard"}})
-  fs.retries = 3  # s3fs's own retry loop; the default 5 makes dead servers slow
+                     "retries": {"max_attempts": 1, "mode": "standard"}})
+  # No silent retries below ours: retrying.call retries what may pass, with a line and
+  # SEXPGPU_REMOTE_TIMEOUT as its bound, and a dead server is reported at once.
+  fs.retries = 1
   return fs
 
 

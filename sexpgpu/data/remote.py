@@ -10,6 +10,7 @@ from typing import Any
 from sexpgpu.data.spec import LoaderSpec, load_error, redact
 from sexpgpu.paths import REMOTE_PACKAGES, is_remote, scheme  # noqa: F401  (is_remote: for data/)
 from sexpgpu.paths import cache_dir as default_cache_dir
+from sexpgpu.retrying import call as retried
 
 
 def resolve(spec: LoaderSpec, path: str, cache_dir: str | None) -> str:
@@ -122,9 +123,15 @@ def _remote_errors() -> tuple[type[BaseException], ...]:
 
 
 def _call(spec: LoaderSpec, uri: str, fs, method, *args):
-  """Calls a filesystem method, turning its failures into E-LOAD errors."""
+  """Calls a filesystem method, turning its failures into E-LOAD errors.
+
+  A store that answered before in this process is retried with backoff while it fails for
+  a passing reason (SEXPGPU_REMOTE_TIMEOUT); one that never answered is reported at once.
+  """
+  store = os.environ.get("AWS_ENDPOINT_URL") or scheme(uri) or "remote"
   try:
-    return method(*args)
+    return retried(f"fetch of {redact(uri)}", method, *args, prefix="data", store=store,
+                   describe=lambda e: type(e).__name__)
   except FileNotFoundError:
     bucket = args[0].split("/", 1)[0]
     if _bucket_exists(fs, bucket):
