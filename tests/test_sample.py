@@ -68,17 +68,17 @@ def test_top_k_1_is_greedy_and_choose_keeps_the_top_p_mass():
 
 def test_sample_with_a_seed_prints_the_same_continuation_twice(model, capsys):
   path, _, _, step_dir = model
-  args = ["sample", path, "--resume", step_dir, "--prompt", "1 2 3", "--tokens", "12",
+  args = ["sample", path, "--resume", step_dir, "--prompt", "1 2 3", "--tokens", "6",
           "--temperature", "1.0", "--top-k", "10", "--top-p", "0.9", "--json"]
   outs = []
   for seed in ("4", "4", "5"):
     assert main(args + ["--seed", seed]) == 0
     captured = capsys.readouterr()
     outs.append(json.loads(captured.out))
-    assert "recompute decoding" in captured.err
-  assert outs[0]["ids"] == outs[1]["ids"] and len(outs[0]["ids"]) == 12
+    assert "incremental decoding" in captured.err
+  assert outs[0]["ids"] == outs[1]["ids"] and len(outs[0]["ids"]) == 6
   assert outs[0]["text"] == " ".join(map(str, outs[0]["ids"]))
-  assert outs[2]["ids"] != outs[0]["ids"]  # another seed, another draw (12 tokens of 10)
+  assert outs[2]["ids"] != outs[0]["ids"]  # another seed, another draw (6 tokens of 10)
   assert outs[0]["tokens_per_s"] > 0
 
 
@@ -104,3 +104,89 @@ def test_which_function_maps_tokens_to_logits(model, tmp_path, capsys):
   assert "E-FORM-001" in capsys.readouterr().err
   assert main(["sample", path, "--resume", step_dir, "--prompt", "99"]) == 1
   assert "outside the model's vocabulary of 24" in capsys.readouterr().err
+
+
+HAND = """
+(defloader train (markov :vocab 20 :seq 13 :batch 2 :seed 7))
+(defn lm [tokens]
+  (let [[b t] (shape tokens)
+        d 16
+        x (+ (take (param emb [20 d] :init (normal 0.5)) tokens)
+             (take (param pos [32 d] :init (normal 0.5)) (iota t)))
+        q (matmul x (param wq [d d] :init (normal 0.3)))
+        k (matmul x (param wk [d d] :init (normal 0.3)))
+        v (matmul x (param wv [d d] :init (normal 0.3)))
+        p (softmax (causal-mask (* (einsum "bqd,bkd->bqk" q k) 0.25)) -1)
+        h (+ x (einsum "bqk,bkd->bqd" p v))]
+    (matmul (tanh h) (param out [d 20] :init (normal 0.3)))))
+(defn loss [batch]
+  (let [t (get batch :tokens)]
+    (cross-entropy (lm (slice t 1 0 -1)) (slice t 1 1 nil))))
+(defrun :loss loss :data train :steps 1 :optimizer (adamw :lr 0.01) :precision f32 :seed 3)
+"""
+
+
+def _three_models():
+  from sexpgpu.run.compile import compile_file, compile_source
+  tiny_lm = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "configs", "tiny-lm.sx")
+  return {"gpt2": (compile_source(SX), 8), "transformer-lm": (compile_file(tiny_lm), 16),
+          "hand-written": (compile_source(HAND), 12)}
+
+
+def _noisy_params(c):
+  import jax
+  from sexpgpu.lower.init import init_params
+  return {k: v + 0.05 * jax.random.normal(jax.random.key(i), v.shape)  # no zero unembedding
+          for i, (k, v) in enumerate(sorted(init_params(2, c.params).items()))}
+
+
+def test_incremental_decode_equals_the_full_forward_and_its_greedy_tokens():
+  import jax
+  import jax.numpy as jnp
+  from sexpgpu.ir.ops import LowerCtx
+  from sexpgpu.models import decode, forward, sample, source
+  for name, (c, w) in _three_models().items():
+    params = _noisy_params(c)
+    pl = decode.plan(source.logits_graph(c, "lm", w), w)
+    assert len(pl.attention) == 1 and (pl.tables or pl.iotas), name
+    vocab = pl.graph.outputs["out"].shape[-1]
+    toks = np.random.RandomState(0).randint(0, vocab, (1, w)).astype(np.int32)
+    full = np.asarray(forward.forward(c, "lm", w)(params, toks))
+    ctx = LowerCtx("f32")
+    n0 = 3
+    buf = np.zeros((1, w), np.int32)
+    buf[0, :n0] = toks[0, :n0]
+    logits, cache = jax.jit(lambda p, t: decode.run(pl, p, t, ctx, None))(params, buf)
+    got = [np.asarray(logits)[0, i] for i in range(n0)]
+    step = jax.jit(lambda p, t, cache, o: decode.run(pl, p, t, ctx, cache, o))
+    for i in range(n0, w):
+      logits, cache = step(params, toks[:, i:i + 1], cache, jnp.int32(i))
+      got.append(np.asarray(logits)[0, 0])
+    assert np.abs(np.stack(got) - full[0]).max() < 1e-5, name
+    host = {k: np.asarray(v) for k, v in params.items()}
+    settings = sample.Settings(tokens=w - 3, temperature=0.0)
+    fast = sample.generate(c, "lm", host, [1, 2, 3], settings)
+    slow = sample.generate(c, "lm", host, [1, 2, 3], settings, path="recompute")
+    assert (fast.path, slow.path) == ("incremental", "recompute"), name
+    assert fast.ids == slow.ids, name
+
+
+def test_a_position_mixing_op_without_a_rule_falls_back_and_is_named(monkeypatch, tmp_path,
+                                                                     capsys):
+  from sexpgpu.lower.init import init_params
+  from sexpgpu.models import sample
+  from sexpgpu.models.export import write_step0
+  from sexpgpu.run.compile import compile_file
+  monkeypatch.setenv("SEXPGPU_PATTERNS", "off")  # attention stays einsum, causal-mask, einsum
+  path = str(tmp_path / "hand.sx")
+  with open(path, "w") as f:
+    f.write(HAND)
+  c = compile_file(path)
+  params = {k: np.asarray(v) for k, v in init_params(1, c.params).items()}
+  got = sample.generate(c, "lm", params, [1, 2], sample.Settings(tokens=4, temperature=0.0))
+  assert got.path == "recompute" and "`einsum` (" in got.reason
+  assert "hand.sx:11:" in got.reason and "no incremental rule" in got.reason
+  step_dir = write_step0(c, params, str(tmp_path / "ck"))
+  assert main(["sample", path, "--resume", step_dir, "--prompt", "1 2", "--tokens", "3"]) == 0
+  assert "recompute decoding (`einsum`" in capsys.readouterr().err

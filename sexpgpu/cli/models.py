@@ -147,8 +147,8 @@ def cmd_sample(argv: list[str]) -> int:
   settings = sample.Settings(fv.tokens, fv.temperature, fv.top_k, fv.top_p, fv.seed)
   result = sample.generate(c, fn, params, prompt, settings)
   words = tok.decode(result.ids) if tok is not None else " ".join(map(str, result.ids))
-  note = (f"sample: {result.path} decoding ({result.reason}); {len(result.ids)} tokens, "
-          f"{result.tokens_per_s:.1f} tokens/s\n")
+  how = result.path + (f" decoding ({result.reason})" if result.reason else " decoding")
+  note = f"sample: {how}; {len(result.ids)} tokens, {result.tokens_per_s:.1f} tokens/s\n"
   if fv.json:
     output.write(sys.stdout, json.dumps(
         {"prompt_ids": prompt, "ids": result.ids, "text": words, "tokens_per_s":

@@ -37,8 +37,8 @@ class Result:
 
   ids: list[int]
   seconds: float
-  path: str  # "recompute"
-  reason: str  # why that path
+  path: str  # "incremental" (a KV cache) or "recompute" (the window every token)
+  reason: str  # why recompute, or "" 
 
   @property
   def tokens_per_s(self) -> float:
@@ -105,7 +105,47 @@ def recompute_decoder(f, w: int, s: Settings):
   return jax.jit(decode)
 
 
-def generate(c, fn: str, params: dict, prompt: list[int], s: Settings) -> Result:
+def incremental_decoder(pl, ctx, w: int, s: Settings):
+  """A jitted `ids = decode(params, buf, n_prompt)` from the compiler-derived plan: one
+  prefill over the window, then one step a token, each reading and extending the cache."""
+  from sexpgpu.models import decode as dec
+
+  def run(params, buf, n):
+    key = jax.random.key(s.seed)
+    logits, cache = dec.run(pl, params, buf[None, :], ctx, None)
+    first = choose(logits[0, n - 1].astype(jnp.float32), jax.random.fold_in(key, 0), s)
+    out = jnp.zeros((s.tokens,), jnp.int32).at[0].set(first)
+
+    def body(i, carry):
+      out, cache = carry
+      token = out[i - 1].reshape(1, 1)
+      logits, cache = dec.run(pl, params, token, ctx, cache, n + i - 1)
+      nxt = choose(logits[0, 0].astype(jnp.float32), jax.random.fold_in(key, i), s)
+      return out.at[i].set(nxt), cache
+
+    return jax.lax.fori_loop(1, s.tokens, body, (out, cache))[0]
+
+  return jax.jit(run)
+
+
+def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings):
+  """("incremental", plan, "") when the compiler derives a decode step for `fn` and the
+  continuation fits the window, else ("recompute", None, why)."""
+  from sexpgpu.models import decode as dec
+  if os.environ.get("SEXPGPU_DECODE") == "recompute":
+    return "recompute", None, "SEXPGPU_DECODE=recompute"
+  try:
+    pl = dec.plan(source.logits_graph(c, fn, w), w)
+  except dec.NoRule as e:
+    return "recompute", None, f"{e.describe()} has no incremental rule"
+  if n_prompt + s.tokens - 1 > w:
+    return "recompute", None, (f"the prompt and continuation ({n_prompt} + {s.tokens}) pass "
+                               f"the window of {w} positions, which a cache cannot slide")
+  return "incremental", pl, ""
+
+
+def generate(c, fn: str, params: dict, prompt: list[int], s: Settings,
+             path: str | None = None) -> Result:
   """`s.tokens` tokens after `prompt` from the model `fn` of experiment `c`.
 
   Raises:
@@ -124,15 +164,22 @@ def generate(c, fn: str, params: dict, prompt: list[int], s: Settings) -> Result
   prompt = prompt[-w:]
   buf = np.zeros((w,), np.int32)
   buf[:len(prompt)] = prompt
-  f = forward.forward(c, fn, w)
+  chosen, pl, why = choose_path(c, fn, w, len(prompt), s)
+  if path == "recompute" and chosen == "incremental":
+    chosen, pl, why = "recompute", None, "asked for"
   p = forward.device_params(c, params)
   args = (p, jnp.asarray(buf), jnp.int32(len(prompt)))
-  decode = recompute_decoder(f, w, s).lower(*args).compile()  # tokens/s without compiling
+  if chosen == "incremental":
+    from sexpgpu.ir.ops import LowerCtx
+    ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None)
+    decoder = incremental_decoder(pl, ctx, w, s)
+  else:
+    decoder = recompute_decoder(forward.forward(c, fn, w), w, s)
+  decoder = decoder.lower(*args).compile()  # tokens/s without compiling
   t0 = time.perf_counter()
-  ids = np.asarray(decode(*args))
+  ids = np.asarray(decoder(*args))
   seconds = time.perf_counter() - t0
-  return Result([int(i) for i in ids], seconds, "recompute",
-                "the compiler's incremental (KV-cache) decode is not built yet")
+  return Result([int(i) for i in ids], seconds, chosen, why)
 
 
 def tokenizer_path(c) -> str | None:

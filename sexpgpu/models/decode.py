@@ -1,0 +1,314 @@
+"""Incremental decoding derived from a model's graph: a prefill call and a one-position step.
+
+The graph of `(FN tokens)` is built for a window of W positions. A pass over it finds, for
+every node, which of its axes runs over positions (the time axis), starting at the tokens'
+last axis, through reshapes, transposes, elementwise broadcasting, products and reductions
+that keep it. Two kinds of node tie values to positions and have a rule:
+
+- `sdpa` (causal): the step writes its one key and value into a cache of W positions at the
+  current offset and attends over the cache up to it; the prefill fills the cache;
+- a learned position table (`(slice table 0 0 W)` of a parameter) and `(iota W)`: the step
+  reads the row, or the index, of the current offset.
+
+Any other node that mixes positions (a `causal-mask` or `einsum` over the time axis that is
+not an `sdpa` region, a reduction over positions, a constant as long as the window, ...)
+has no rule: `plan` names it, and sampling recomputes the window for every token instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sexpgpu.ir.graph import Graph, Node, walk
+from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.lower.rules import lowering
+
+ELEMENTWISE = {"+", "-", "*", "/", "pow", "max", "min", "neg", "abs", "exp", "log", "sqrt",
+               "rsqrt", "square", "tanh", "cos", "sin", "sigmoid", "relu", "gelu", "silu", "<",
+               "<=", ">", ">=", "=", "!=", "where", "cast", "dropout", "tap"}
+REDUCTIONS = {"sum", "mean", "max-of", "min-of", "logsumexp"}
+
+
+class NoRule(Exception):
+  """A node that mixes positions and has no incremental rule."""
+
+  def __init__(self, node: Node, why: str):
+    super().__init__(f"{node.op} at {node.loc or node.scope}: {why}")
+    self.node = node
+    self.why = why
+
+  def describe(self) -> str:
+    where = f" ({self.node.loc})" if self.node.loc is not None else ""
+    return f"`{self.node.op}`{where} {self.why}"
+
+
+@dataclasses.dataclass
+class Plan:
+  """The time axis of every node (uid → axis or None) and the special nodes."""
+
+  graph: Graph
+  window: int
+  axes: dict[int, int | None]
+  tables: set[int]  # position-table slices read at the offset
+  iotas: set[int]  # iota(W) read as the offset
+  attention: list[Node]  # sdpa nodes keeping a cache
+
+
+def _all(graph: Graph) -> list[Node]:
+  return graph.nodes()
+
+
+def plan(graph: Graph, window: int) -> Plan:
+  """The incremental plan of a logits graph built for `window` positions.
+
+  Raises:
+    NoRule: the first node that mixes positions without a rule.
+  """
+  p = Plan(graph, window, {}, set(), set(), [])
+  _plan_nodes(p, graph.nodes(), {})
+  out = graph.outputs["out"]
+  if p.axes.get(out.uid) != len(out.shape) - 2:
+    raise NoRule(out, "does not keep positions on the axis before the vocabulary")
+  return p
+
+
+def _plan_nodes(p: Plan, nodes: list[Node], carries: dict[int, int | None]) -> None:
+  for n in nodes:
+    if n.uid in p.axes:
+      continue
+    if n.op == "carry":
+      p.axes[n.uid] = carries.get(n.uid)
+      continue
+    if n.op == "repeat":
+      body = n.attr("body")
+      inner = p.axes[n.inputs[0].uid]
+      _plan_nodes(p, list(walk([body.output])), {body.carry.uid: inner})
+      if p.axes[body.output.uid] != inner:
+        raise NoRule(n, "changes the axis of positions from one layer to the next")
+      p.axes[n.uid] = inner
+      continue
+    p.axes[n.uid] = _axis(p, n)
+
+
+def _ax(p: Plan, x) -> int | None:
+  return p.axes.get(x.uid) if isinstance(x, Node) else None
+
+
+def _axis(p: Plan, n: Node) -> int | None:
+  W = p.window
+  ins = [i for i in n.inputs if isinstance(i, Node)]
+  axes = [_ax(p, i) for i in ins]
+  timed = [(i, a) for i, a in zip(ins, axes) if a is not None]
+  op = n.op
+  if op == "input":
+    return len(n.shape) - 1 if n.attr("field") == "tokens" else None
+  if op == "param":
+    return None
+  if op == "iota":
+    if n.attr("n") == W:
+      p.iotas.add(n.uid)
+      return 0
+    return None
+  if op == "full":
+    return None
+  if not timed:
+    if op == "slice" and n.attr("start") == 0 and n.attr("end") == W and W > 1 and ins[0].op == "param":
+      if ins[0].shape[n.attr("axis")] > W or n.attr("axis") == 0:
+        p.tables.add(n.uid)
+        return n.attr("axis")
+    return None
+  if op in ELEMENTWISE:
+    rank = len(n.shape)
+    ends = {a - len(i.shape) for i, a in timed}
+    if len(ends) != 1:
+      raise NoRule(n, "combines operands whose positions lie on different axes")
+    end = ends.pop()
+    for i in ins:
+      if _ax(p, i) is None and len(i.shape) >= -end and i.shape[end] == W and W > 1:
+        if i.op == "param" and len(i.shape) + end == 0:  # a learned table, one row a position
+          p.tables.add(i.uid)
+          p.axes[i.uid] = 0
+          continue
+        raise NoRule(n, f"combines positions with a tensor of {W} along them that does "
+                     "not depend on the tokens")
+    return rank + end
+  (x, a), = timed[:1]
+  if op in ("sdpa",):
+    q, k, v = ins[:3]
+    if len(ins) > 3:
+      raise NoRule(n, "masks segments (packed documents), which decoding does not keep")
+    if not n.attr("causal"):
+      raise NoRule(n, "is not causal: every position sees the later ones")
+    if not all(_ax(p, t) == 2 for t in (q, k, v)):
+      raise NoRule(n, "attends along an axis other than positions")
+    p.attention.append(n)
+    return 2
+  if op == "reshape":
+    shape_in, shape_out = x.shape, n.shape
+    before = 1
+    for d in shape_in[:a]:
+      before *= d
+    acc = 1
+    for b, d in enumerate(shape_out):
+      if acc == before and d == shape_in[a]:
+        return b
+      acc *= d
+    raise NoRule(n, "merges positions with another axis")
+  if op == "transpose":
+    return list(n.attr("perm")).index(a)
+  if op == "expand":
+    ax = n.attr("axis") % len(n.shape)
+    return a + 1 if ax <= a else a
+  if op == "squeeze":
+    ax = n.attr("axis") % len(x.shape)
+    if ax == a:
+      raise NoRule(n, "removes the axis of positions")
+    return a - 1 if ax < a else a
+  if op == "slice":
+    if n.attr("axis") % len(x.shape) == a:
+      raise NoRule(n, "slices positions")
+    return a
+  if op in REDUCTIONS or op == "argmax":
+    axes = n.attr("axes") if op != "argmax" else (n.attr("axis"),)
+    axes = tuple(range(len(x.shape))) if axes is None else (
+        (axes,) if isinstance(axes, int) else tuple(axes))
+    axes = {ax % len(x.shape) for ax in axes}
+    if a in axes:
+      raise NoRule(n, "reduces over positions")
+    return a if n.attr("keep") else a - sum(1 for ax in axes if ax < a)
+  if op in ("softmax", "log-softmax"):
+    if n.attr("axis") % len(x.shape) == a:
+      raise NoRule(n, "normalizes over positions")
+    return a
+  if op == "take":
+    if ins[0] is x and timed[0][0] is ins[0]:
+      raise NoRule(n, "gathers from a tensor along positions")
+    return a
+  if op == "one-hot":
+    return a
+  if op == "concat":
+    if n.attr("axis") % len(n.shape) == a or len({ax for _, ax in timed}) != 1:
+      raise NoRule(n, "joins along positions")
+    return a
+  if op == "matmul":
+    A, B = ins
+    aa, ab = _ax(p, A), _ax(p, B)
+    if ab is not None and ab >= len(B.shape) - 2:
+      raise NoRule(n, "multiplies by a matrix over positions")
+    if aa is not None and aa == len(A.shape) - 1:
+      raise NoRule(n, "sums over positions")
+    if aa is not None:
+      return len(n.shape) - (len(A.shape) - aa)
+    return len(n.shape) - (len(B.shape) - ab)
+  if op == "einsum":
+    lhs, out = n.attr("spec").replace(" ", "").split("->")
+    letters = set()
+    for term, t in zip(lhs.split(","), ins):
+      ta = _ax(p, t)
+      if ta is not None:
+        letters.add(term[ta])
+    if len(letters) != 1 or next(iter(letters)) not in out:
+      raise NoRule(n, "sums over positions (attention that is not one sdpa region)")
+    return out.index(letters.pop())
+  raise NoRule(n, "mixes positions")
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset=None):
+  """Evaluates the plan's graph.
+
+  Args:
+    params: path → array.
+    tokens: int32 [b W] (prefill: `cache` None) or [b 1] (a step at `offset`).
+    cache: None for the prefill, else the cache the last call returned.
+    offset: the position of the step's token (a traced int32).
+
+  Returns:
+    (logits, cache): the cache holds, for each sdpa node, its keys and values [b h W d]
+    (stacked in front by the repeats around it).
+  """
+  out_cache: dict = {}
+  env: dict[int, Any] = {}
+  _run(p, p.graph.nodes(), env, params, tokens, ctx, cache, out_cache, offset)
+  return env[p.graph.outputs["out"].uid], out_cache
+
+
+def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
+  step = cache is not None
+  for n in nodes:
+    if n.uid in env:
+      continue
+    op = n.op
+    if op == "param":
+      value = params[n.attr("path")]
+      if step and n.uid in p.tables:
+        value = jax.lax.dynamic_slice_in_dim(value, offset, 1, axis=0)
+      env[n.uid] = value
+      continue
+    if op == "input":
+      env[n.uid] = tokens
+      continue
+    if op == "repeat":
+      env[n.uid] = _repeat(p, n, env, params, tokens, ctx, cache, out_cache, offset)
+      continue
+    args = [env[i.uid] if isinstance(i, Node) else i for i in n.inputs]
+    attrs = dict(n.attrs)
+    if op == "sdpa":
+      env[n.uid] = _attend(n, args, attrs, ctx, cache, out_cache, offset)
+      continue
+    if step and n.uid in p.iotas:
+      env[n.uid] = offset + jnp.arange(1, dtype=jnp.int32)
+      continue
+    if step and n.uid in p.tables:
+      env[n.uid] = jax.lax.dynamic_slice_in_dim(args[0], offset, 1, axis=attrs["axis"])
+      continue
+    if step and op in ("reshape", "broadcast") and p.axes.get(n.uid) is not None:
+      shape = list(attrs["shape"])
+      shape[p.axes[n.uid]] = 1
+      attrs["shape"] = tuple(shape)
+    env[n.uid] = lowering(op, ctx.platform)(ctx, *args, **attrs)
+
+
+def _attend(n, args, attrs, ctx, cache, out_cache, offset):
+  q, k, v = args[:3]
+  if cache is None:  # prefill: the full window, its keys and values kept
+    out_cache[n.uid] = (k, v)
+    return lowering("sdpa", ctx.platform)(ctx, q, k, v, **attrs)
+  ck, cv = cache[n.uid]
+  ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), offset, axis=2)
+  cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), offset, axis=2)
+  out_cache[n.uid] = (ck, cv)
+  ct = ctx.compute_dtype(q)
+  s = jnp.einsum("...qd,...kd->...qk", q.astype(ct), ck.astype(ct),
+                 preferred_element_type=jnp.float32) * attrs["scale"]
+  keep = jnp.arange(ck.shape[2]) <= offset
+  s = jnp.where(keep, s, jnp.array(-jnp.inf, s.dtype))
+  probs = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum("...qk,...kd->...qd", probs.astype(ct), cv.astype(ct),
+                   preferred_element_type=jnp.float32)
+  return out.astype(q.dtype)
+
+
+def _repeat(p, node, env, params, tokens, ctx, cache, out_cache, offset):
+  body = node.attr("body")
+  stacked = {k: params[k] for k in body.params}
+  outer = {k: v for k, v in params.items() if k not in stacked}
+  nodes = list(walk([body.output]))
+  mine = cache.get(node.uid) if cache is not None else None
+
+  def layer(carry, xs):
+    layer_params, layer_cache = xs
+    local = dict(env)
+    local[body.carry.uid] = carry
+    inner: dict = {}
+    _run(p, nodes, local, {**outer, **layer_params}, tokens, ctx, layer_cache, inner, offset)
+    return local[body.output.uid], inner
+
+  out, caches = jax.lax.scan(layer, env[node.inputs[0].uid], (stacked, mine))
+  out_cache[node.uid] = caches
+  return out
