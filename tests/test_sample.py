@@ -190,3 +190,28 @@ def test_a_position_mixing_op_without_a_rule_falls_back_and_is_named(monkeypatch
   step_dir = write_step0(c, params, str(tmp_path / "ck"))
   assert main(["sample", path, "--resume", step_dir, "--prompt", "1 2", "--tokens", "3"]) == 0
   assert "recompute decoding (`einsum`" in capsys.readouterr().err
+
+
+def test_check_prints_the_decode_graph(tmp_path, monkeypatch, capsys):
+  """`check --print decode`: the path sample takes, each node's time axis and its rule."""
+  path = str(tmp_path / "gpt2.sx")
+  with open(path, "w") as f:
+    f.write(SX)
+  assert main(["check", path, "--print", "decode"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("decode: incremental, a prefill over 8 positions")
+  assert "sdpa regions keeping keys and values 1, position tables read at the offset 1" in out
+  assert any(" = sdpa[" in line and line.endswith("| key/value cache, time axis 2")
+             for line in out.splitlines())
+  assert any("param[path='lm/gpt2/wte']" in line and "|" not in line  # no positions there
+             for line in out.splitlines())
+  monkeypatch.setenv("SEXPGPU_PATTERNS", "off")
+  hand = str(tmp_path / "hand.sx")
+  with open(hand, "w") as f:
+    f.write(HAND)
+  assert main(["check", hand, "--print", "decode", "--fn", "lm"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("decode: recompute (the window of 13 positions for every token): "
+                        "`einsum` (") and "has no incremental rule" in out
+  assert main(["check", hand, "--print", "decode", "--fn", "loss"]) == 1
+  assert "error[E-SAMPLE-001]" in capsys.readouterr().err

@@ -56,8 +56,10 @@ def _run_flags() -> flags.FlagValues:
 def _check_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
   _selection_flags(fv)
-  flags.DEFINE_enum("print", None, ["knobs", "params", "ir", "jaxpr", "hlo", "plan"],
+  flags.DEFINE_enum("print", None, ["knobs", "params", "ir", "jaxpr", "hlo", "plan", "decode"],
                     "what to print", flag_values=fv)
+  flags.DEFINE_string("fn", None, "for --print decode: the function of the tokens that "
+                      "returns logits (default: the only one)", flag_values=fv)
   flags.DEFINE_string("device", None, "cpu or cuda, for --print hlo|plan (SEXPGPU_DEVICE)",
                       flag_values=fv)
   flags.DEFINE_integer("steps", None, "replaces defrun :steps", flag_values=fv)
@@ -164,7 +166,7 @@ def cmd_check(argv: list[str]) -> int:
   sets = _sets(fv.set)
   text = guarded(path, fv.variant, sets, overrides, fv.diagnostics,
                          lambda: check(path, fv.variant, sets, fv.diagnostics, fv.print, device,
-                                       overrides))
+                                       overrides, fv.fn))
   output.write(sys.stdout, text)
   return 0
 

@@ -23,10 +23,11 @@ def _attr_str(v) -> str:
 
 
 class _Printer:
-  def __init__(self, with_locs: bool):
+  def __init__(self, with_locs: bool, note=None):
     self.names: dict[int, str] = {}
     self.lines: list[str] = []
     self.with_locs = with_locs
+    self.note = note  # node → a remark for the end of its line, or ""
 
   def name(self, v) -> str:
     if isinstance(v, Node):
@@ -47,6 +48,9 @@ class _Printer:
       if self.with_locs and node.loc is not None:
         where = f"{os.path.basename(node.loc.file) if not node.loc.file.startswith('std/') else node.loc.file}:{node.loc.line}:{node.loc.col}"
         line += f"  ; {where}" + (f" {node.scope}" if node.scope else "")
+      remark = self.note(node) if self.note is not None else ""
+      if remark:
+        line += f"  | {remark}"
       if body is not None:
         self.lines.append(line + " {")
         self.emit([body.carry, body.output], indent + "    ")
@@ -55,9 +59,13 @@ class _Printer:
         self.lines.append(line)
 
 
-def print_graph(graph: Graph, with_locs: bool = True) -> str:
-  """The graph as text: parameters, then nodes in order, then the outputs."""
-  p = _Printer(with_locs)
+def print_graph(graph: Graph, with_locs: bool = True, note=None) -> str:
+  """The graph as text: parameters, then nodes in order, then the outputs.
+
+  Args:
+    note: node → a remark printed at the end of its line (an analysis's finding), or "".
+  """
+  p = _Printer(with_locs, note)
   lines = [f"graph {graph.name}"]
   for path, prm in graph.params.items():
     lines.append(f"  param {path}: {prm.dtype}[{','.join(map(str, prm.full_shape))}] init {prm.init}")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from sexpgpu.ir.graph import Graph, Node, walk
 from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.ir.printer import print_graph
 from sexpgpu.lower.rules import lowering
 
 ELEMENTWISE = {"+", "-", "*", "/", "pow", "max", "min", "neg", "abs", "exp", "log", "sqrt",
@@ -74,6 +75,29 @@ def plan(graph: Graph, window: int) -> Plan:
   if p.axes.get(out.uid) != len(out.shape) - 2:
     raise NoRule(out, "does not keep positions on the axis before the vocabulary")
   return p
+
+
+def explain(graph: Graph, window: int) -> str:
+  """`check --print decode`: the path sampling takes for a logits graph of `window`
+  positions, and the graph with each node's time axis and what the decode step does at it."""
+  try:
+    p = plan(graph, window)
+  except NoRule as e:
+    return (f"decode: recompute (the window of {window} positions for every token): "
+            f"{e.describe()} has no incremental rule\n{print_graph(graph)}\n")
+  roles = {n.uid: "key/value cache" for n in p.attention}
+  roles.update({u: "row at the offset" for u in p.tables})
+  roles.update({u: "the offset" for u in p.iotas})
+
+  def note(n: Node) -> str:
+    axis = p.axes.get(n.uid)
+    found = [roles[n.uid]] if n.uid in roles else []
+    return ", ".join(found + ([f"time axis {axis}"] if axis is not None else []))
+
+  head = (f"decode: incremental, a prefill over {window} positions, then one position a "
+          f"step; sdpa regions keeping keys and values {len(p.attention)}, position tables "
+          f"read at the offset {len(p.tables)}, iotas read as the offset {len(p.iotas)}")
+  return f"{head}\n{print_graph(graph, note=note)}\n"
 
 
 def _plan_nodes(p: Plan, nodes: list[Node], carries: dict[int, int | None]) -> None:

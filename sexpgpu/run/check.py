@@ -10,9 +10,15 @@ from sexpgpu.run.compile import compile_file
 
 
 def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None = None,
-          device: str = "cpu", overrides: dict | None = None) -> str:
-  """The text `sexpgpu check` prints: a summary, or knobs / params / ir / jaxpr / hlo / plan."""
+          device: str = "cpu", overrides: dict | None = None, fn: str | None = None) -> str:
+  """The text `sexpgpu check` prints: a summary, or knobs / params / ir / jaxpr / hlo / plan
+  / decode (how `sample` decodes `fn`, by default the one function of tokens to logits)."""
   c = compile_file(path, variant, sets, overrides, diagnostics)
+  if what == "decode":
+    from sexpgpu.models import decode, sample, source
+    fn = fn or source.default_fn(c)
+    w = sample.window(c, fn)
+    return decode.explain(source.logits_graph(c, fn, w), w)
   if what in ("jaxpr", "hlo", "plan"):
     return lowered_text(c, what, device)
   if what == "knobs":
