@@ -215,3 +215,52 @@ def test_check_prints_the_decode_graph(tmp_path, monkeypatch, capsys):
                         "`einsum` (") and "has no incremental rule" in out
   assert main(["check", hand, "--print", "decode", "--fn", "loss"]) == 1
   assert "error[E-SAMPLE-001]" in capsys.readouterr().err
+
+
+def _losses(path):
+  return [e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"]
+
+
+def test_defsample_writes_sample_events_and_leaves_the_losses_bitwise(tmp_path, capsys):
+  plain, with_sample = str(tmp_path / "plain.sx"), str(tmp_path / "story.sx")
+  with open(plain, "w") as f:
+    f.write(SX.replace(":steps 1", ":steps 12"))
+  with open(with_sample, "w") as f:
+    f.write(SX.replace(":steps 1", ":steps 12") + '(defsample story :fn lm :prompts '
+            '["1 2 3" "4"] :tokens 4 :every 5 :temperature 0)\n')
+  for path, m in ((plain, "a.jsonl"), (with_sample, "b.jsonl")):
+    assert main(["run", path, "--metrics", f"jsonl:{tmp_path / m}"]) == 0
+  err = capsys.readouterr().err
+  assert "story: step 5/12 loss " in err and "| story/tokens-per-s " in err
+  assert _losses(tmp_path / "a.jsonl") == _losses(tmp_path / "b.jsonl")
+  assert main(["check", with_sample]) == 0
+  assert "story: :fn lm :every 5 :tokens 4 2 prompts, incremental decoding" in \
+      capsys.readouterr().out
+  events = [e for e in map(json.loads, open(tmp_path / "b.jsonl")) if e["kind"] == "sample"]
+  assert [(e["step"], e["prompt"]) for e in events] == [
+      (s, p) for s in (5, 10, 12) for p in ("1 2 3", "4")]
+  assert all(len(e["ids"]) == 4 and e["text"] == " ".join(map(str, e["ids"]))
+             and e["path"] == "incremental" for e in events)
+
+
+@pytest.mark.parametrize("form,code,text", [
+    ('(defsample s :fn lm :prompts ["1 99"] :every 5)', "E-FORM-001",
+     "outside the model's vocabulary of 24"),
+    ('(defsample s :fn lm :prompts ["once upon"] :every 5)', "E-FORM-001", "not a token id"),
+    ('(defsample s :fn 3 :prompts ["1"] :every 5)', "E-TYPE-001", "is not a function"),
+    ('(defsample s :fn lm :prompts [] :every 5)', "E-TYPE-001", "vector of non-empty strings"),
+    ('(defsample s :fn lm :prompts ["1"])', "E-FORM-001", "needs :every"),
+    ('(defsample s :fn lm :prompts ["1"] :every 5 :top-p 2)', "E-TYPE-001", "in 0.0..1.0"),
+    ('(defsample s :fn loss :prompts ["1"] :every 5)', "E-SAMPLE-001",
+     "does not build on tokens [1 8]: get needs a batch"),
+])
+def test_a_bad_defsample_stops_before_step_0_at_its_form(tmp_path, capsys, form, code, text):
+  path = str(tmp_path / "bad.sx")
+  with open(path, "w") as f:
+    f.write(SX + form + "\n")
+  assert main(["check", path]) == 1  # check refuses what run refuses
+  assert f"error[{code}]" in capsys.readouterr().err
+  assert main(["run", path]) == 1
+  err = capsys.readouterr().err
+  assert f"error[{code}]" in err and text in err, err
+  assert "bad.sx:11:" in err and "step 0/" not in err and "Traceback" not in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from sexpgpu.data import KINDS as LOADER_CLASSES, keywords as loader_keywords, takes_file
@@ -46,6 +47,22 @@ class PassDecl:
 
 
 @dataclasses.dataclass
+class SampleDecl:
+  """A `defsample`: continuations of fixed prompts written to the metrics during training."""
+
+  name: str
+  fn: str  # the function of tokens [b t] that returns logits [b t vocab]
+  prompts: tuple[str, ...]  # text (with the experiment's tokenizer) or token ids "3 1 4"
+  tokens: int
+  every: int
+  temperature: float
+  top_k: int
+  top_p: float
+  seed: int
+  loc: Loc
+
+
+@dataclasses.dataclass
 class StageDecl:
   name: str
   data: str | None
@@ -82,6 +99,7 @@ class Experiment:
   env: Env
   loaders: dict[str, LoaderDecl]
   passes: dict[str, PassDecl]
+  samples: dict[str, SampleDecl]
   curriculum: list[StageDecl]
   diagnostics: dict[str, DiagDecl]
   loss: Closure
@@ -111,6 +129,7 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
   b = Builder(env)
   loaders: dict[str, LoaderDecl] = {}
   passes: dict[str, PassDecl] = {}
+  samples: dict[str, SampleDecl] = {}
   diags: dict[str, DiagDecl] = {}
   curriculum: list[StageDecl] = []
   genv = env.vars
@@ -147,6 +166,8 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
       genv[name] = loaders[name]
     elif head == "defpass":
       passes[name] = _pass(b, form, env, loaders)
+    elif head == "defsample":
+      samples[name] = _sample(b, form, env)
     elif head == "defdiagnostic":
       diags[name] = _diagnostic(b, form, env)
   loss, data, optimizer, run, run_loc = _run(b, program, env, selection, loaders)
@@ -154,8 +175,12 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
     if st.data is not None and st.data not in loaders:
       raise SxError("E-NAME-001", f"stage {st.name}: no loader `{st.data}`", location=st.loc,
                     fix=did_you_mean(st.data, loaders) or "define it with defloader")
-  return Experiment(program, selection, env, loaders, passes, curriculum, diags, loss, data,
-                    optimizer, run, run_loc)
+  for name in samples:
+    if name in passes:
+      raise SxError("E-NAME-002", f"`{name}` names both a defpass and a defsample",
+                    location=samples[name].loc, fix="rename one of them")
+  return Experiment(program, selection, env, loaders, passes, samples, curriculum, diags, loss,
+                    data, optimizer, run, run_loc)
 
 
 def _defparam(b: Builder, form: List, env: Env) -> ParamRef:
@@ -282,6 +307,49 @@ def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
                     location=m.loc, fix="(defn accuracy [batch] ...)")
     metrics.append((str(m), fn))
   return PassDecl(name, data, every, int(batches), metrics, form.loc)
+
+
+def _sample(b: Builder, form: List, env: Env) -> SampleDecl:
+  name = str(form.items[1].value)
+  _, kws, _ = split_keywords(
+      form, 2, ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
+      "defsample")
+  example = f'(defsample {name} :fn lm :prompts ["Once upon"] :tokens 64 :every 500)'
+  for req in ("fn", "prompts", "every"):
+    if req not in kws:
+      raise SxError("E-FORM-001", f"defsample {name} needs :{req}", location=form.loc,
+                    fix=example)
+  fn = b.eval(kws["fn"], env)
+  if not isinstance(fn, Closure) or fn.name is None:
+    raise SxError("E-TYPE-001", f"defsample {name} :fn `{kws['fn']}` is not a function",
+                  location=kws["fn"].loc, fix="name a defn of tokens [b t] that returns logits")
+  prompts = _static(b, kws["prompts"], env, ":prompts")
+  if (not isinstance(prompts, tuple) or not prompts
+      or not all(isinstance(p, str) and p.strip() for p in prompts)):
+    raise SxError("E-TYPE-001", f"defsample {name} :prompts must be a vector of non-empty "
+                  f"strings; found {describe(prompts)}", location=kws["prompts"].loc,
+                  fix=':prompts ["Once upon" "The"] (token ids as "3 1 4" without a tokenizer)')
+  tokens = _static_int(b, kws["tokens"], env, ":tokens", 1) if "tokens" in kws else 32
+  every = _static_int(b, kws["every"], env, ":every", 1)
+  temperature = _static_number(b, kws.get("temperature"), env, ":temperature", 0.0, 0.0, None)
+  top_k = _static_int(b, kws["top-k"], env, ":top-k", 0) if "top-k" in kws else 0
+  top_p = _static_number(b, kws.get("top-p"), env, ":top-p", 1.0, 0.0, 1.0)
+  seed = _static_int(b, kws["seed"], env, ":seed", 0) if "seed" in kws else 0
+  return SampleDecl(name, fn.name, tuple(prompts), tokens, every, temperature, top_k, top_p,
+                    seed, form.loc)
+
+
+def _static_number(b: Builder, form: Form | None, env: Env, what: str, default: float,
+                   lo: float, hi: float | None) -> float:
+  if form is None:
+    return default
+  v = _static(b, form, env, what)
+  if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+      or not lo <= v <= (hi if hi is not None else v)):
+    bound = f"in {lo}..{hi}" if hi is not None else f"≥ {lo}"
+    raise SxError("E-TYPE-001", f"{what} must be a number {bound}; found {describe(v)}",
+                  location=form.loc, fix=f"{what} {default}")
+  return float(v)
 
 
 def _loader_name(form: Form, loaders: dict) -> str:

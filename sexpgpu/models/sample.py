@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,55 @@ def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings):
   return "incremental", pl, ""
 
 
+def check_prompt(c, fn: str, prompt: list[int], where: str = "--prompt") -> list[int]:
+  """The prompt, its last window's worth, after checking it against the model's vocabulary.
+
+  Raises:
+    SxError: E-FORM-001 for an empty prompt or a token outside the vocabulary.
+  """
+  w = window(c, fn)
+  vocab = source.logits_graph(c, fn, w).outputs["out"].shape[-1]
+  if not prompt:
+    raise SxError("E-FORM-001", "the prompt is empty", where=where,
+                  fix='give at least one token: --prompt "text" (or ids: --prompt "3 1 4")')
+  bad = [t for t in prompt if not 0 <= t < vocab]
+  if bad:
+    raise SxError("E-FORM-001", f"prompt tokens {bad[:8]} are outside the model's "
+                  f"vocabulary of {vocab}", where=where,
+                  fix=f"give ids in 0..{vocab - 1}, or text with its tokenizer")
+  return prompt[-w:]
+
+
+@dataclasses.dataclass
+class Decoder:
+  """A jitted `ids = decode(params, buf, n_prompt)` for prompts up to a length: `buf` holds
+  the prompt in a window of `window` positions; one compilation serves every call."""
+
+  window: int
+  path: str
+  reason: str
+  decode: Any
+
+  def args(self, c, params: dict, prompt: list[int]) -> tuple:
+    buf = np.zeros((self.window,), np.int32)
+    buf[:len(prompt)] = prompt
+    return forward.device_params(c, params), jnp.asarray(buf), jnp.int32(len(prompt))
+
+
+def decoder(c, fn: str, longest_prompt: int, s: Settings, path: str | None = None) -> Decoder:
+  """The decoder of `fn` for prompts of up to `longest_prompt` tokens: incremental when the
+  compiler derives a decode step (and `path` does not ask for recompute)."""
+  w = window(c, fn)
+  chosen, pl, why = choose_path(c, fn, w, longest_prompt, s)
+  if path == "recompute" and chosen == "incremental":
+    chosen, pl, why = "recompute", None, "asked for"
+  if chosen == "incremental":
+    from sexpgpu.ir.ops import LowerCtx
+    ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None)
+    return Decoder(w, chosen, why, incremental_decoder(pl, ctx, w, s))
+  return Decoder(w, chosen, why, recompute_decoder(forward.forward(c, fn, w), w, s))
+
+
 def generate(c, fn: str, params: dict, prompt: list[int], s: Settings,
              path: str | None = None) -> Result:
   """`s.tokens` tokens after `prompt` from the model `fn` of experiment `c`.
@@ -151,35 +201,14 @@ def generate(c, fn: str, params: dict, prompt: list[int], s: Settings,
   Raises:
     SxError: E-FORM-001 for an empty prompt or a token outside the vocabulary.
   """
-  w = window(c, fn)
-  graph_vocab = source.logits_graph(c, fn, w).outputs["out"].shape[-1]
-  if not prompt:
-    raise SxError("E-FORM-001", "the prompt is empty", where="--prompt",
-                  fix='give at least one token: --prompt "text" (or ids: --prompt "3 1 4")')
-  bad = [t for t in prompt if not 0 <= t < graph_vocab]
-  if bad:
-    raise SxError("E-FORM-001", f"prompt tokens {bad[:8]} are outside the model's "
-                  f"vocabulary of {graph_vocab}", where="--prompt",
-                  fix=f"give ids in 0..{graph_vocab - 1}, or text with its tokenizer")
-  prompt = prompt[-w:]
-  buf = np.zeros((w,), np.int32)
-  buf[:len(prompt)] = prompt
-  chosen, pl, why = choose_path(c, fn, w, len(prompt), s)
-  if path == "recompute" and chosen == "incremental":
-    chosen, pl, why = "recompute", None, "asked for"
-  p = forward.device_params(c, params)
-  args = (p, jnp.asarray(buf), jnp.int32(len(prompt)))
-  if chosen == "incremental":
-    from sexpgpu.ir.ops import LowerCtx
-    ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None)
-    decoder = incremental_decoder(pl, ctx, w, s)
-  else:
-    decoder = recompute_decoder(forward.forward(c, fn, w), w, s)
-  decoder = decoder.lower(*args).compile()  # tokens/s without compiling
+  prompt = check_prompt(c, fn, prompt)
+  d = decoder(c, fn, len(prompt), s, path)
+  args = d.args(c, params, prompt)
+  compiled = d.decode.lower(*args).compile()  # tokens/s without compiling
   t0 = time.perf_counter()
-  ids = np.asarray(decoder(*args))
+  ids = np.asarray(compiled(*args))
   seconds = time.perf_counter() - t0
-  return Result([int(i) for i in ids], seconds, chosen, why)
+  return Result([int(i) for i in ids], seconds, d.path, d.reason)
 
 
 def tokenizer_path(c) -> str | None:

@@ -127,7 +127,7 @@ def logits_graph(c, fn: str, t: int, batch: int = 1):
                      allow_new_params=False)
   except SxError as e:
     raise SxError("E-SAMPLE-001", f"`({fn} tokens)` does not build on tokens [{batch} {t}]: "
-                  f"[{e.code}] {e.args[0].splitlines()[0] if e.args else e}",
+                  f"{e.message} ({e.code})",
                   where=f"--fn {fn}", fix=_candidates_fix(c)) from e
   if not (is_tensor(out) and len(out.shape) == 3 and out.shape[:2] == (batch, t)
           and out.dtype in ("f32", "bf16", "f16")):
@@ -189,11 +189,15 @@ def _candidates_fix(c) -> str:
 
 
 def default_fn(c) -> str:
-  """The one function that maps tokens to logits, when --fn is not given.
+  """The function that maps tokens to logits when --fn is not given: the one the
+  experiment's defsample passes name, else the only candidate.
 
   Raises:
     SxError: E-SAMPLE-001 listing the candidates when there is not exactly one.
   """
+  named = {d.fn for d in c.exp.samples.values()}
+  if len(named) == 1:  # the function the experiment's defsample decodes
+    return named.pop()
   found = candidates(c)
   if len(found) == 1:
     return found[0]

@@ -43,6 +43,13 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
       f"  {n}: :data {p.data} :every {p.every if p.every is not None else '-'} "
       f":batches {p.batches} metrics {' '.join(f'{n}/{m}' for m, _ in p.metrics)}"
       for n, p in c.exp.passes.items()] or ["  -"]
+  if c.exp.samples:
+    from sexpgpu.run.sampling import Samplers
+    lines += ["", "samples:"] + [  # built as run builds them: a bad prompt fails here too
+        f"  {s.decl.name}: :fn {s.decl.fn} :every {s.decl.every} :tokens {s.decl.tokens} "
+        f"{len(s.prompts)} prompts, {s.decoder.path} decoding"
+        + (f" ({s.decoder.reason})" if s.decoder.reason else "")
+        for s in Samplers(c).items]
   if len(c.stages) > 1:
     lines += ["", "curriculum:"] + [f"  {s.index} {s.name}: :data {s.data}" for s in c.stages]
   return "\n".join(lines) + "\n"

@@ -215,6 +215,8 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
   from sexpgpu.run.feed import Feeder
   steps, k, on_nan = training.steps, training.k, training.on_nan
   multi = place.multiprocess
+  from sexpgpu.run.sampling import Samplers
+  samplers = Samplers(c)  # a defsample's prompts checked before anything is initialized
 
   # --- plan: every step compiled for abstract values; nothing initialized before it fits --
   fixed = o.stacking
@@ -262,8 +264,10 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
 
   def passes(step: int, at_end: bool) -> bool:
     with feed.lock:  # a pass may read the loader the feed draws from
-      return _run_passes(c, training, place, state, step, at_end, resumed_at, metrics,
-                         progress, log)
+      ran = _run_passes(c, training, place, state, step, at_end, resumed_at, metrics,
+                        progress, log)
+    samplers.run(place, state["params"], step, steps, at_end, resumed_at, metrics, progress, log)
+    return ran
 
   def new_feed(first_step: int) -> Feeder:
     name = c.stages[progress.stage].data
@@ -347,7 +351,8 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
       stopped_by = drain()
       pending = (step, st, m, info, t_dispatch)
       at_end = step == steps
-      due_pass = at_end or any(_due(p, step, c) for p in c.exp.passes.values())
+      due_pass = (at_end or any(_due(p, step, c) for p in c.exp.passes.values())
+                  or samplers.due(step, at_end))
       due_ckpt = bool(training_ckpt_every(c)) and step % training_ckpt_every(c) == 0
       # What follows needs this step's numbers, or several nodes must agree on a stop now.
       if (not o.pipeline or at_end or due_pass or due_ckpt or multi or stopped_by is not None

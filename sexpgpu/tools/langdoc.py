@@ -30,6 +30,11 @@ TOP_FORMS = {
     "defloader": ("(defloader NAME (KIND ARGS...))", "a data source; the kinds are below"),
     "defpass": ("(defpass NAME :data L :every N :batches B :metrics [F ...])",
                 "an evaluation pass: each metric a function of the batch returning a scalar"),
+    "defsample": ('(defsample NAME :fn F :prompts ["text" ...] :every N [:tokens 32] '
+                  "[:temperature 0] [:top-k 0] [:top-p 1] [:seed 0])",
+                  "continuations of the prompts while training, as `sample` events and a "
+                  "progress line; F maps tokens [b t] to logits [b t vocab]; prompts are "
+                  "text with a text loader's tokenizer, else token ids (\"3 1 4\")"),
     "defcurriculum": ("(defcurriculum (stage NAME :data L :when STEP :set [(KNOB V) ...]) ...)",
                       "stages that change the data or knobs that keep every parameter's shape"),
     "defdiagnostic": ("(defdiagnostic NAME :of (KIND [ARG]) :every N :reduce R)",
@@ -60,6 +65,7 @@ FORM_KEYWORDS = {
     "repeat": ("remat", "as"),
     "defparam": ("init", "dtype"),
     "defpass": ("data", "every", "batches", "metrics"),
+    "defsample": ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
     "defdiagnostic": ("every", "of", "reduce"),
     "stage": ("data", "when", "set"),
     "defknob": ("choices", "min", "max"),

@@ -1,0 +1,81 @@
+"""`defsample` during training: continuations of fixed prompts, written as `sample` events.
+
+Everything a sample can get wrong (a prompt outside the vocabulary, ids without a tokenizer, a
+function that does not map tokens to logits) is found before step 0, where the decoders are
+built; each decoder is compiled once, at its first use, and reads the parameters as they
+are, so the training steps and their numbers are the same with or without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from sexpgpu.errors import SxError
+from sexpgpu.models import sample
+from sexpgpu.run import output
+
+
+@dataclasses.dataclass
+class _Sampler:
+  decl: object  # front.experiment.SampleDecl
+  prompts: list[list[int]]
+  decoder: sample.Decoder
+  compiled: object = None  # the decoder compiled at its first use
+
+
+class Samplers:
+  """The experiment's defsample passes, ready to run."""
+
+  def __init__(self, c):
+    self.c = c
+    self.items: list[_Sampler] = []
+    if not c.exp.samples:
+      return
+    self.tok = sample.tokenizer_of(c, None)
+    for d in c.exp.samples.values():
+      try:
+        prompts = [sample.check_prompt(c, d.fn, self.tok.encode(p).ids if self.tok is not None
+                                       else sample.parse_ids(p)) for p in d.prompts]
+        settings = sample.Settings(d.tokens, d.temperature, d.top_k, d.top_p, d.seed)
+        self.items.append(_Sampler(d, prompts, sample.decoder(
+            c, d.fn, max(map(len, prompts)), settings)))
+      except SxError as e:
+        fix = (e.fix.replace("--prompt", ":prompts").replace("--fn", ":fn")
+               .replace("--tokenizer FILE", "a text loader's token cache"))
+        raise SxError(e.code, f"defsample {d.name}: {e.message}", location=d.loc,
+                      fix=fix) from None
+
+  def due(self, step: int, at_end: bool) -> bool:
+    return any(step > 0 and (step % s.decl.every == 0 or at_end) for s in self.items)
+
+  def run(self, place, params, step: int, steps: int, at_end: bool, resumed_at, metrics,
+          progress, log) -> None:
+    """Each sample due at `step`: its continuations as events and a progress line."""
+    for s in self.items:
+      d = s.decl
+      if step == 0 or step == resumed_at or not (step % d.every == 0 or at_end):
+        continue
+      progress.set_status("evaluating", step)
+      calls = [s.decoder.args(self.c, params, ids) for ids in s.prompts]
+      if s.compiled is None:  # once: the tokens a second are the decoding's, not XLA's
+        s.compiled = s.decoder.decode.lower(*calls[0]).compile()
+      t = time.perf_counter()
+      made = 0
+      for ids, args in zip(s.prompts, calls):
+        got = np.asarray(place.host(s.compiled(*args)))
+        got = [int(i) for i in got]
+        made += len(got)
+        metrics.emit("sample", step=step, name=d.name, prompt=self._words(ids),
+                     text=self._words(got), ids=got, path=s.decoder.path)
+      dt = time.perf_counter() - t
+      values = {f"{d.name}/tokens-per-s": made / max(dt, 1e-9)}
+      since = (0.0 if progress.t_first_step is None
+               else time.perf_counter() - progress.t_first_step)
+      log(output.progress_line(d.name, step, steps, progress.train_loss, values,
+                               progress.counters["records"], since))
+
+  def _words(self, ids: list[int]) -> str:
+    return self.tok.decode(ids) if self.tok is not None else " ".join(map(str, ids))
