@@ -164,3 +164,31 @@ def test_two_nodes_choose_one_stacking_without_measuring(tmp_path):
   assert p0.returncode == 0 and p1.returncode == 0, err0 + err1
   st = _annotation(tmp_path / "m0.jsonl", "stacking")
   assert st["how"] in ("only", "model", "remembered") and st["degree"] in (1, 2), st
+
+
+# Node 1 only: when node 0 (the coordination service's host) dies, JAX's client on node 1
+# races our E-DP-007 with its own abort; ours won 6 of 6 tries, but a race is no test.
+@pytest.mark.parametrize("victim", [1])
+def test_a_node_killed_mid_run_ends_the_survivor_with_e_dp_007(tmp_path, victim):
+  """kill -9 of one node: the other exits 1 with E-DP-007 at once, naming the last committed
+  checkpoint, never a traceback or JAX's abort at its shutdown barrier minutes later."""
+  args = ("--variant", "smoke", "--steps", "2000", "--eval-every", "0", "--checkpoint-dir",
+          str(tmp_path / "ck"), "--set", "checkpoint-every=5")
+  port = free_port()
+  procs = [_start(tmp_path, r, port, args) for r in (0, 1)]
+  m0 = tmp_path / "m0.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and procs[0].poll() is None:
+    if m0.exists() and len(_losses(m0)) >= 12:
+      break
+    time.sleep(0.005)
+  procs[victim].kill()
+  t = time.time()
+  survivor = procs[1 - victim]
+  out, err = survivor.communicate(timeout=300)
+  procs[victim].communicate(timeout=60)
+  assert survivor.returncode == 1, err
+  assert "error[E-DP-007]: another node left the run" in err, err
+  assert f"the last committed checkpoint is {tmp_path / 'ck'}/tiny-lm-smoke-" in err, err
+  assert "Traceback" not in err and "Check failure" not in err
+  assert time.time() - t < 60

@@ -103,7 +103,11 @@ class Watchdog:
         self._fire(self._what)
 
   def _fire(self, what: str) -> None:
-    err = self.error(what)
+    self.fail(self.error(what))
+
+  def fail(self, err: SxError) -> None:
+    """Reports `err` (the status first) and exits 1 at once: a run that lost a node must not
+    reach JAX's shutdown barrier, which waits for the lost node and then aborts."""
     try:
       if self.on_timeout is not None:
         self.on_timeout(err)
@@ -130,6 +134,14 @@ class Rendezvous:
   def watch(self, what: str, timeout_s: float | None = None):
     """Context manager: E-DP-007 and exit 1 when the block outlasts the timeout."""
     return self.watchdog.watch(what, timeout_s)
+
+  def lost(self, what: str, cause: str, checkpoint: str | None) -> None:
+    """Exits with E-DP-007 after a collective failed because another node left the run."""
+    c = self.cfg
+    self.watchdog.fail(SxError(
+        "E-DP-007", f"another node left the run: node {c.rank} of {c.nodes} saw {what} fail "
+        f"({cause}); the last committed checkpoint is {checkpoint or 'none'}",
+        where=f"SEXPGPU_RENDEZVOUS={c.rendezvous}", fix=FIX_ARRIVE))
 
   def barrier(self, name: str) -> None:
     """Waits until every node reaches `name`, under the watchdog."""

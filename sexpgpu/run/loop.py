@@ -283,6 +283,8 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
     if multi:
       saving.save_nodes(store, state, meta_, step, place, rdv)
       _emit_saved(store, progress, metrics)
+      if place.node != 0:  # node 0 wrote it, and every node waited until it was committed
+        progress.last_ckpt = store.step_dir(step)
       return
     _emit_saved(store, progress, metrics)  # the previous save completes first
     store.save(step, state, meta_, wait=wait)
@@ -371,6 +373,12 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
         save(step, wait=False)
       progress.set_status("running", step, force=False)
     stopped_by = drain() or stopped_by
+  except jax.errors.JaxRuntimeError as e:
+    if rdv is None or "RESOURCE_EXHAUSTED" in str(e):
+      raise
+    # A collective that fails across nodes is a node that left (gloo: "Connection reset by
+    # peer"): E-DP-007 now, not a traceback and then JAX's abort at its shutdown barrier.
+    rdv.lost(f"step {step + 1}", _cause(e), progress.last_ckpt)
   except _NonFinite as e:
     feed.close()
     _rewind(c, loader_states)
@@ -729,6 +737,13 @@ def _quiet(first_cross_node: bool):
     from sexpgpu.devices.nodes import quiet_collectives
     return quiet_collectives()
   return contextlib.nullcontext()
+
+
+def _cause(e: BaseException) -> str:
+  """A runtime error's gist: its last `:`-separated part of the first line (gloo's
+  "Read error [127.0.0.1]:23785: Connection reset by peer" → "Connection reset by peer")."""
+  line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  return line.rsplit(": ", 1)[-1].strip() or line
 
 
 def _watch(rdv, what: str):
