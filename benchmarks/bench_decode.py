@@ -77,30 +77,18 @@ def build(shape_name: str, seed: int = 1):
 def sexpgpu_decoder(c, params: dict, prompt: list[int], s, path: str):
   """`generate`'s decoder for `path`, compiled, and its arguments; nothing run yet.
 
-  The same steps as `sexpgpu.models.sample.generate` up to its timed call, so that the
-  benchmark can run one executable many times (generate compiles anew on every call).
+  `sexpgpu.models.sample.decoder`, as `generate` and defsample build it, compiled once so
+  that the benchmark can run one executable many times (generate compiles on every call).
 
   Returns:
     (compiled, args, chosen): `compiled(*args)` returns the ids; chosen is the path taken.
   """
-  import jax.numpy as jnp
-  import numpy as np
-  from sexpgpu.ir.ops import LowerCtx
-  from sexpgpu.models import forward, sample
-  w = sample.window(c, FN)
-  buf = np.zeros((w,), np.int32)
-  buf[:len(prompt)] = prompt
-  chosen, pl, why = sample.choose_path(c, FN, w, len(prompt), s)
-  if path == "recompute":
-    chosen, pl = "recompute", None
-  elif chosen != "incremental":
-    raise RuntimeError(f"sexpgpu does not decode this model incrementally: {why}")
-  args = (forward.device_params(c, params), jnp.asarray(buf), jnp.int32(len(prompt)))
-  if chosen == "incremental":
-    ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None)
-    decoder = sample.incremental_decoder(pl, ctx, w, s)
-  else:
-    decoder = sample.recompute_decoder(forward.forward(c, FN, w), w, s)
+  from sexpgpu.models import sample
+  d = sample.decoder(c, FN, len(prompt), s, path)
+  if path != "recompute" and d.path != "incremental":
+    raise RuntimeError(f"sexpgpu does not decode this model incrementally: {d.reason}")
+  args = d.args(c, params, prompt)
+  chosen, decoder = d.path, d.decode
   return decoder.lower(*args).compile(), args, chosen
 
 

@@ -129,17 +129,30 @@ def incremental_decoder(pl, ctx, w: int, s: Settings):
   return jax.jit(run)
 
 
+# A cache spans the prompt and continuation rounded up to this many positions (at most the
+# window): attention reads the cache's whole length at every step, so a cache of the whole
+# window would cost a short continuation as much as the longest one.
+SPAN_STEP = 64
+
+
 def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings):
   """("incremental", plan, "") when the compiler derives a decode step for `fn` and the
-  continuation fits the window, else ("recompute", None, why)."""
+  continuation fits the window, else ("recompute", None, why). The plan's window is the
+  span the cache needs, not always the model's."""
   from sexpgpu.models import decode as dec
   if os.environ.get("SEXPGPU_DECODE") == "recompute":
     return "recompute", None, "SEXPGPU_DECODE=recompute"
+  need = n_prompt + s.tokens - 1
+  span = min(w, -(-need // SPAN_STEP) * SPAN_STEP)
   try:
-    pl = dec.plan(source.logits_graph(c, fn, w), w)
+    try:
+      graph = source.logits_graph(c, fn, span)
+    except SxError:  # a model that builds on its own lengths only
+      span, graph = w, source.logits_graph(c, fn, w)
+    pl = dec.plan(graph, span)
   except dec.NoRule as e:
     return "recompute", None, f"{e.describe()} has no incremental rule"
-  if n_prompt + s.tokens - 1 > w:
+  if need > w:
     return "recompute", None, (f"the prompt and continuation ({n_prompt} + {s.tokens}) pass "
                                f"the window of {w} positions, which a cache cannot slide")
   return "incremental", pl, ""
@@ -190,7 +203,7 @@ def decoder(c, fn: str, longest_prompt: int, s: Settings, path: str | None = Non
   if chosen == "incremental":
     from sexpgpu.ir.ops import LowerCtx
     ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None)
-    return Decoder(w, chosen, why, incremental_decoder(pl, ctx, w, s))
+    return Decoder(pl.window, chosen, why, incremental_decoder(pl, ctx, pl.window, s))
   return Decoder(w, chosen, why, recompute_decoder(forward.forward(c, fn, w), w, s))
 
 
