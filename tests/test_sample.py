@@ -264,3 +264,10 @@ def test_a_bad_defsample_stops_before_step_0_at_its_form(tmp_path, capsys, form,
   err = capsys.readouterr().err
   assert f"error[{code}]" in err and text in err, err
   assert "bad.sx:11:" in err and "step 0/" not in err and "Traceback" not in err
+
+
+def test_a_sample_event_is_text_for_tensorboard_and_mlflow():
+  from sexpgpu.track.events import scalars, texts
+  event = {"kind": "sample", "step": 5, "name": "story", "prompt": "Once", "text": " upon",
+           "ids": [7], "path": "incremental", "slug": "s", "time": 0.0}
+  assert texts(event) == [("sample/story", "Once →  upon")] and scalars(event) == []

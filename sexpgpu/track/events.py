@@ -146,8 +146,14 @@ def _whole_text(event: dict) -> Texts:
   yield event["kind"], pretty(body)
 
 
+def _sample_text(event: dict) -> Texts:
+  text = f"{event.get('prompt', '')} → {event.get('text', '')}"
+  yield f"sample/{event.get('name', 'sample')}", text
+
+
 _TEXTS: dict[str, Callable[[dict], Texts]] = {
     "config": _whole_text,
+    "sample": _sample_text,
     "annotation": _annotation_text,
     "stage": _stage_text,
     "checkpoint": _checkpoint_text,
@@ -163,7 +169,8 @@ def texts(event: dict) -> list[tuple[str, str]]:
 
   Returns:
     `config` and `summary` as JSON, `annotation/<name>` with its text and
-    structured parts, a `stage` line, a `checkpoint` line; [] otherwise.
+    structured parts, a `stage` line, a `checkpoint` line, `sample/<name>` as the prompt
+    and its continuation; [] otherwise.
   """
   producer = _TEXTS.get(event["kind"])
   return list(producer(event)) if producer else []
