@@ -34,6 +34,18 @@ def s3_env(endpoint: str) -> dict[str, str]:
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
 
 
+def bucket_fs(endpoint: str, bucket: str, monkeypatch):
+  """An s3fs filesystem on the moto server holding `bucket`, with this test's environment
+  pointing at the server (credentials and endpoint, as a run would read them)."""
+  import s3fs  # pylint: disable=import-outside-toplevel
+  for key, value in s3_env(endpoint).items():
+    monkeypatch.setenv(key, value)
+  fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+  if not fs.exists(bucket):
+    fs.mkdir(bucket)
+  return fs
+
+
 @contextlib.contextmanager
 def moto_server(timeout: float = 20.0) -> Iterator[str]:
   """Runs `python -m moto.server` on a free port of 127.0.0.1.

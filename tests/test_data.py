@@ -13,9 +13,9 @@ from sexpgpu.data import remote
 from sexpgpu.errors import Loc, SxError
 
 try:
-  from tests.s3server import moto_server, s3_env
+  from tests.s3server import bucket_fs, moto_server, s3_env
 except ImportError:
-  from s3server import moto_server, s3_env
+  from s3server import bucket_fs, moto_server, s3_env
 
 LOC = Loc("exp.sx", 3, 1)
 
@@ -294,14 +294,7 @@ def endpoint():
 
 @pytest.fixture
 def s3(endpoint, monkeypatch):
-  """An s3fs filesystem on the moto server, with the environment pointing at it."""
-  import s3fs  # pylint: disable=import-outside-toplevel
-  for key, value in s3_env(endpoint).items():
-    monkeypatch.setenv(key, value)
-  fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
-  if not fs.exists("data-bucket"):
-    fs.mkdir("data-bucket")
-  return fs
+  return bucket_fs(endpoint, "data-bucket", monkeypatch)
 
 
 def test_s3_tokens_fetched_once_and_equal_to_local(s3, files, tmp_path, monkeypatch):

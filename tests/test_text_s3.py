@@ -13,9 +13,9 @@ from sexpgpu.errors import SxError
 from sexpgpu.tools.tokenize import Options, tokenize
 
 try:
-  from tests.s3server import moto_server, s3_env
+  from tests.s3server import bucket_fs, moto_server
 except ImportError:
-  from s3server import moto_server, s3_env
+  from s3server import bucket_fs, moto_server
 
 SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "data", "*.txt")))
 
@@ -28,13 +28,7 @@ def endpoint():
 
 @pytest.fixture
 def s3(endpoint, monkeypatch):
-  import s3fs  # pylint: disable=import-outside-toplevel
-  for key, value in s3_env(endpoint).items():
-    monkeypatch.setenv(key, value)
-  fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
-  if not fs.exists("text-bucket"):
-    fs.mkdir("text-bucket")
-  return fs
+  return bucket_fs(endpoint, "text-bucket", monkeypatch)
 
 
 def _bins(cache):
