@@ -248,9 +248,11 @@ def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset
 
   Args:
     params: path → array.
-    tokens: int32 [b W] (prefill: `cache` None) or [b 1] (a step at `offset`).
-    cache: None for the prefill, else the cache the last call returned.
-    offset: the position of the step's token (a traced int32).
+    tokens: int32 [b W] (the whole window: `cache` None), or [b n] (n positions from
+      `offset` on: a prefill of the prompt into an empty cache, or one step's token).
+    cache: None for the whole window, else the cache to read and extend (`empty_cache`
+      for a prefill).
+    offset: the position of the first token (a traced int32).
 
   Returns:
     (logits, cache): the cache holds, for each sdpa node, its keys and values [b h W d]
@@ -262,8 +264,16 @@ def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset
   return env[p.graph.outputs["out"].uid], out_cache
 
 
+def empty_cache(p: Plan, params: dict, ctx: LowerCtx, batch: int = 1) -> dict:
+  """Zeros in the shape of the cache a whole-window call returns (for a chunked prefill)."""
+  shapes = jax.eval_shape(lambda prm: run(p, prm, jnp.zeros((batch, p.window), jnp.int32),
+                                          ctx, None)[1], params)
+  return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
 def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
   step = cache is not None
+  span = tokens.shape[-1]  # positions this call computes, from `offset` on
   for n in nodes:
     if n.uid in env:
       continue
@@ -271,7 +281,7 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
     if op == "param":
       value = params[n.attr("path")]
       if step and n.uid in p.tables:
-        value = jax.lax.dynamic_slice_in_dim(value, offset, 1, axis=0)
+        value = jax.lax.dynamic_slice_in_dim(value, offset, span, axis=0)
       env[n.uid] = value
       continue
     if op == "input":
@@ -286,14 +296,14 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
       env[n.uid] = _attend(n, args, attrs, ctx, cache, out_cache, offset)
       continue
     if step and n.uid in p.iotas:
-      env[n.uid] = offset + jnp.arange(1, dtype=jnp.int32)
+      env[n.uid] = offset + jnp.arange(span, dtype=jnp.int32)
       continue
     if step and n.uid in p.tables:
-      env[n.uid] = jax.lax.dynamic_slice_in_dim(args[0], offset, 1, axis=attrs["axis"])
+      env[n.uid] = jax.lax.dynamic_slice_in_dim(args[0], offset, span, axis=attrs["axis"])
       continue
     if step and op in ("reshape", "broadcast") and p.axes.get(n.uid) is not None:
       shape = list(attrs["shape"])
-      shape[p.axes[n.uid]] = 1
+      shape[p.axes[n.uid]] = span
       attrs["shape"] = tuple(shape)
     env[n.uid] = lowering(op, ctx.platform)(ctx, *args, **attrs)
 
@@ -310,7 +320,8 @@ def _attend(n, args, attrs, ctx, cache, out_cache, offset):
   ct = ctx.compute_dtype(q)
   s = jnp.einsum("...qd,...kd->...qk", q.astype(ct), ck.astype(ct),
                  preferred_element_type=jnp.float32) * attrs["scale"]
-  keep = jnp.arange(ck.shape[2]) <= offset
+  # query i (at offset + i) sees the keys up to its own position
+  keep = jnp.arange(ck.shape[2])[None, :] <= offset + jnp.arange(q.shape[2])[:, None]
   s = jnp.where(keep, s, jnp.array(-jnp.inf, s.dtype))
   probs = jax.nn.softmax(s, axis=-1)
   out = jnp.einsum("...qk,...kd->...qd", probs.astype(ct), cv.astype(ct),

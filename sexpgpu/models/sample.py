@@ -106,14 +106,16 @@ def recompute_decoder(f, w: int, s: Settings):
   return jax.jit(decode)
 
 
-def incremental_decoder(pl, ctx, w: int, s: Settings):
-  """A jitted `ids = decode(params, buf, n_prompt)` from the compiler-derived plan: one
-  prefill over the window, then one step a token, each reading and extending the cache."""
+def incremental_decoder(pl, ctx, s: Settings):
+  """A jitted `ids = decode(params, buf, n_prompt)` from the compiler-derived plan: the
+  prompt (padded to `buf`'s length) prefilled into an empty cache, then one step a token,
+  each reading and extending the cache."""
   from sexpgpu.models import decode as dec
 
   def run(params, buf, n):
     key = jax.random.key(s.seed)
-    logits, cache = dec.run(pl, params, buf[None, :], ctx, None)
+    empty = dec.empty_cache(pl, params, ctx)
+    logits, cache = dec.run(pl, params, buf[None, :], ctx, empty, jnp.int32(0))
     first = choose(logits[0, n - 1].astype(jnp.float32), jax.random.fold_in(key, 0), s)
     out = jnp.zeros((s.tokens,), jnp.int32).at[0].set(first)
 
@@ -133,6 +135,8 @@ def incremental_decoder(pl, ctx, w: int, s: Settings):
 # window): attention reads the cache's whole length at every step, so a cache of the whole
 # window would cost a short continuation as much as the longest one.
 SPAN_STEP = 64
+# The prefill computes the prompt rounded up to this many positions (at most the cache's).
+PREFILL_STEP = 16
 
 
 def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings):
@@ -180,7 +184,8 @@ def check_prompt(c, fn: str, prompt: list[int], where: str = "--prompt") -> list
 @dataclasses.dataclass
 class Decoder:
   """A jitted `ids = decode(params, buf, n_prompt)` for prompts up to a length: `buf` holds
-  the prompt in a window of `window` positions; one compilation serves every call."""
+  the prompt in `window` positions (the model's window when recomputing, the prefill's
+  length with a cache); one compilation serves every call."""
 
   window: int
   path: str
@@ -203,7 +208,8 @@ def decoder(c, fn: str, longest_prompt: int, s: Settings, path: str | None = Non
   if chosen == "incremental":
     from sexpgpu.ir.ops import LowerCtx
     ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None)
-    return Decoder(pl.window, chosen, why, incremental_decoder(pl, ctx, pl.window, s))
+    prefill = min(pl.window, -(-longest_prompt // PREFILL_STEP) * PREFILL_STEP)
+    return Decoder(prefill, chosen, why, incremental_decoder(pl, ctx, s))
   return Decoder(w, chosen, why, recompute_decoder(forward.forward(c, fn, w), w, s))
 
 
