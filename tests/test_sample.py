@@ -199,7 +199,8 @@ def test_check_prints_the_decode_graph(tmp_path, monkeypatch, capsys):
     f.write(SX)
   assert main(["check", path, "--print", "decode"]) == 0
   out = capsys.readouterr().out
-  assert out.startswith("decode: incremental, a prefill over 8 positions")
+  assert out.startswith("decode: incremental over a window of 8 positions, the prompt "
+                        "prefilled, then one position a step")
   assert "sdpa regions keeping keys and values 1, position tables read at the offset 1" in out
   assert any(" = sdpa[" in line and line.endswith("| key/value cache, time axis 2")
              for line in out.splitlines())

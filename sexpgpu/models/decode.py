@@ -94,8 +94,8 @@ def explain(graph: Graph, window: int) -> str:
     found = [roles[n.uid]] if n.uid in roles else []
     return ", ".join(found + ([f"time axis {axis}"] if axis is not None else []))
 
-  head = (f"decode: incremental, a prefill over {window} positions, then one position a "
-          f"step; sdpa regions keeping keys and values {len(p.attention)}, position tables "
+  head = (f"decode: incremental over a window of {window} positions, the prompt prefilled, "
+          f"then one position a step; sdpa regions keeping keys and values {len(p.attention)}, position tables "
           f"read at the offset {len(p.tables)}, iotas read as the offset {len(p.iotas)}")
   return f"{head}\n{print_graph(graph, note=note)}\n"
 
