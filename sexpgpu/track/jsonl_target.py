@@ -30,6 +30,7 @@ class JsonlTarget:
       ensure_dir(parent)
       self.repaired = repair(path)
       self._file = open(path, "a", encoding="utf-8")
+      self._size = os.fstat(self._file.fileno()).st_size  # where the next line starts
     except OSError as e:
       raise TargetError(f"cannot open metrics file {path}: {os_reason(e)}",
                         "give a file path in a directory you can write") from e
@@ -38,26 +39,22 @@ class JsonlTarget:
     """Appends the event as one line and flushes it."""
     line = json.dumps(event, separators=(",", ":"), default=to_json)
     try:
-      size = os.path.getsize(self.location)
-    except OSError:
-      size = None
-    try:
       self._file.write(line + "\n")
       self._file.flush()
     except OSError as e:
-      self._take_back(size)
+      self._take_back(self._size)
       raise TargetError(f"cannot write metrics file {self.location}: "
                         f"{os_reason(e)}") from e
+    self._size += len(line) + 1  # json.dumps writes ASCII: a character a byte
 
-  def _take_back(self, size: int | None) -> None:
+  def _take_back(self, size: int) -> None:
     """After a failed write: the file cut back to its last whole line, reopened."""
     try:
       self._file.close()
     except OSError:
       pass  # the buffer that failed to flush fails again: it is dropped
     try:
-      if size is not None:
-        os.truncate(self.location, size)
+      os.truncate(self.location, size)
       self._file = open(self.location, "a", encoding="utf-8")
     except OSError:
       pass
