@@ -34,6 +34,16 @@ def s3_env(endpoint: str) -> dict[str, str]:
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
 
 
+@contextlib.contextmanager
+def moto_with_bucket(bucket: str) -> Iterator[str]:
+  """A moto server (its endpoint) on which `bucket` exists."""
+  with moto_server() as endpoint:
+    import s3fs  # pylint: disable=import-outside-toplevel
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, key="testing",
+                      secret="testing").mkdir(bucket)
+    yield endpoint
+
+
 def bucket_fs(endpoint: str, bucket: str, monkeypatch):
   """An s3fs filesystem on the moto server holding `bucket`, with this test's environment
   pointing at the server (credentials and endpoint, as a run would read them)."""

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import ROOT, sexpgpu_cmd
-from s3server import moto_server, s3_env
+from s3server import moto_with_bucket, s3_env
 from sexpgpu.ckpt import CheckpointStore
 from sexpgpu.errors import SxError
 
@@ -22,10 +22,7 @@ EXP = os.path.join(ROOT, "tests", "data", "faults.sx")
 
 @pytest.fixture(scope="module")
 def moto():
-  with moto_server() as endpoint:
-    import s3fs
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, key="testing",
-                      secret="testing").mkdir("locks")
+  with moto_with_bucket("locks") as endpoint:
     yield endpoint
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, sexpgpu_cmd
 from faultproxy import OutageProxy
-from s3server import moto_server, s3_env
+from s3server import moto_with_bucket, s3_env
 
 EXP = os.path.join(ROOT, "tests", "data", "faults.sx")
 STEPS = "steps=60"
@@ -23,10 +23,7 @@ COMMIT_PUT = rb"^PUT .*/COMMIT HTTP"
 
 @pytest.fixture(scope="module")
 def moto():
-  with moto_server() as endpoint:
-    import s3fs
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, key="testing",
-                      secret="testing").mkdir("blips")
+  with moto_with_bucket("blips") as endpoint:
     yield endpoint
 
 
