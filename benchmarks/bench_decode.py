@@ -101,14 +101,15 @@ def hand_params(c, params: dict) -> tuple[dict, dict]:
   """
   import jax.numpy as jnp
   from sexpgpu.models import twin
-  g = twin.find_gpt2(c.params, c.stages[0].graph, "bench_decode")
-  blk = g.root + twin.BLOCK_SCOPE
+  g = twin.find(c.params, c.stages[0].graph, "bench_decode")
+  blk = g.root + twin.GPT2_SCOPE
   p = {"wte": params[g.root + "wte"], "wpe": params[g.root + "wpe"],
        "ln_f_s": params[g.root + "ln_f/scale"], "ln_f_b": params[g.root + "ln_f/bias"]}
-  for rel in twin.BLOCK:
+  for rel in twin.GPT2_BLOCK:
     p[rel.replace("/", "_")] = params[blk + rel]
   return ({k: jnp.asarray(v, jnp.float32) for k, v in p.items()},
-          {"layers": g.layers, "heads": g.heads, "eps": g.eps, "positions": g.positions})
+          {"layers": g.config["n_layer"], "heads": g.config["n_head"],
+           "eps": g.config["layer_norm_epsilon"], "positions": g.positions})
 
 
 def hand_decoder(cfg: dict, n_prompt: int, tokens: int, window: int | None = None):

@@ -57,12 +57,12 @@ def _logits(path, params, tokens, fn="lm"):
 
 
 def test_gpt2_small_has_gpt2_smalls_parameters():
-  from sexpgpu.models.twin import find_gpt2
+  from sexpgpu.models.twin import find
   from sexpgpu.run.compile import compile_file
   c = compile_file(os.path.join(ROOT, "configs", "gpt2-small.sx"))
   assert sum(p.count for p in c.params.values()) == 124_439_808  # GPT-2 small's, exactly
-  g = find_gpt2(c.params, c.stages[0].graph, "test")
-  cfg = g.hf_config()
+  g = find(c.params, c.stages[0].graph, "test")
+  cfg = g.config
   assert (cfg["vocab_size"], cfg["n_positions"], cfg["n_embd"], cfg["n_layer"],
           cfg["n_head"], cfg["layer_norm_epsilon"]) == (50257, 1024, 768, 12, 12, 1e-5)
 
@@ -158,7 +158,7 @@ def test_import_names_what_differs_and_refuses_hub_names(trained, tmp_path, caps
 
 
 def test_hf_export_of_a_model_that_is_no_gpt2_names_the_parameters(tmp_path, capsys):
-  from sexpgpu.models.twin import find_gpt2
+  from sexpgpu.models.twin import find
   from sexpgpu.run.compile import compile_source
   extra = GPT2_SX.replace(
       "(gpt2 tokens :vocab vocab :width width :layers layers :heads heads :context context))",
@@ -166,7 +166,7 @@ def test_hf_export_of_a_model_that_is_no_gpt2_names_the_parameters(tmp_path, cap
       " (param head-bias [vocab] :init zeros)))")
   c = compile_source(extra)
   with pytest.raises(SxError) as e:
-    find_gpt2(c.params, c.stages[0].graph, "--format hf")
+    find(c.params, c.stages[0].graph, "--format hf")
   assert e.value.code == "E-EXPORT-001" and "lm/head-bias" in str(e.value)
   from sexpgpu.lower.init import init_params
   from sexpgpu.models.export import write_step0

@@ -126,12 +126,32 @@ HAND = """
 """
 
 
-def _three_models():
+LLAMA = """
+(require std/lm)
+(require std/llama)
+(defknob context 12)
+(defloader train (markov :vocab 30 :seq 13 :batch 2 :seed 7))
+(defn lm [tokens]
+  (llama tokens :vocab 30 :width 32 :layers 2 :heads 4 :kv-heads 2 :hidden 48
+         :context context))
+(defn loss [batch]
+  (let [t (get batch :tokens)]
+    (next-token-loss (lm (lm-inputs t)) t)))
+(defrun :loss loss :data train :steps 1 :optimizer (adamw :lr 0.01) :precision f32 :seed 3)
+"""
+
+
+def _models():
   from sexpgpu.run.compile import compile_file, compile_source
   tiny_lm = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "configs", "tiny-lm.sx")
   return {"gpt2": (compile_source(SX), 8), "transformer-lm": (compile_file(tiny_lm), 16),
-          "hand-written": (compile_source(HAND), 12)}
+          "hand-written": (compile_source(HAND), 12),
+          # rope over exactly the window (its iota read as the offset), and a rotary table
+          # of more positions than the window (its rows read at the offset)
+          "llama": (compile_source(LLAMA), 12),
+          "llama-table": (compile_source(LLAMA.replace("(defknob context 12)",
+                                                       "(defknob context 40)")), 12)}
 
 
 def _noisy_params(c):
@@ -146,7 +166,7 @@ def test_incremental_decode_equals_the_full_forward_and_its_greedy_tokens():
   import jax.numpy as jnp
   from sexpgpu.ir.ops import LowerCtx
   from sexpgpu.models import decode, forward, sample, source
-  for name, (c, w) in _three_models().items():
+  for name, (c, w) in _models().items():
     params = _noisy_params(c)
     pl = decode.plan(source.logits_graph(c, "lm", w), w)
     assert len(pl.attention) == 1 and (pl.tables or pl.iotas), name

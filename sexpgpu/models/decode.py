@@ -7,8 +7,9 @@ that keep it. Two kinds of node tie values to positions and have a rule:
 
 - `sdpa` (causal): the step writes its one key and value into a cache of W positions at the
   current offset and attends over the cache up to it; the prefill fills the cache;
-- a learned position table (`(slice table 0 0 W)` of a parameter) and `(iota W)`: the step
-  reads the row, or the index, of the current offset.
+- a position table (`(slice table 0 0 W)` of a parameter, or of a value that does not depend
+  on the tokens, such as a rotary table of more positions) and `(iota W)`: the step reads
+  the row, or the index, of the current offset.
 
 Any other node that mixes positions (a `causal-mask` or `einsum` over the time axis that is
 not an `sdpa` region, a reduction over positions, a constant as long as the window, ...)
@@ -140,7 +141,9 @@ def _axis(p: Plan, n: Node) -> int | None:
   if op == "full":
     return None
   if not timed:
-    if op == "slice" and n.attr("start") == 0 and n.attr("end") == W and W > 1 and ins[0].op == "param":
+    # rows 0..W of a table that does not depend on the tokens (learned, or computed like a
+    # rotary table of more positions): the step reads the row at the offset
+    if op == "slice" and n.attr("start") == 0 and n.attr("end") == W and W > 1:
       if ins[0].shape[n.attr("axis")] > W or n.attr("axis") == 0:
         p.tables.add(n.uid)
         return n.attr("axis")
@@ -184,6 +187,8 @@ def _axis(p: Plan, n: Node) -> int | None:
     raise NoRule(n, "merges positions with another axis")
   if op == "transpose":
     return list(n.attr("perm")).index(a)
+  if op == "broadcast":  # new axes in front, as numpy's
+    return a + len(n.shape) - len(x.shape)
   if op == "expand":
     ax = n.attr("axis") % len(n.shape)
     return a + 1 if ax <= a else a

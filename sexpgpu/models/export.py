@@ -48,16 +48,16 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
     The files written.
 
   Raises:
-    SxError: E-EXPORT-001 when `fmt` is hf and the model is not a gpt2.
+    SxError: E-EXPORT-001 when `fmt` is hf and the model is neither a gpt2 nor a llama.
   """
   if fmt == "safetensors":
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     _save(params, out, _metadata(c, meta))
     return [out]
-  g = twin.find_gpt2(c.params, c.stages[0].graph, "--format hf")
+  g = twin.find(c.params, c.stages[0].graph, "--format hf")
   tensors = twin.to_twin(g, params)
   os.makedirs(out, exist_ok=True)
-  config = g.hf_config()
+  config = dict(g.config)
   config["sexpgpu"] = {k: v for k, v in _metadata(c, meta).items() if k != "format"}
   written = [os.path.join(out, "config.json"), os.path.join(out, "model.safetensors")]
   with open(written[0], "w") as f:
@@ -70,10 +70,10 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
 
 
 def import_twin(c, folder: str, out: str) -> str:
-  """A step-0 checkpoint of experiment `c` from a Hugging Face GPT-2 folder.
+  """A step-0 checkpoint of experiment `c` from a Hugging Face GPT-2 or Llama folder.
 
   Args:
-    c: the Compiled experiment (a gpt2 model).
+    c: the Compiled experiment (a gpt2 or llama model).
     folder: a folder with config.json and model.safetensors (PyTorch or Flax names).
     out: the checkpoint location; the step folder is `<out>/<slug>/0`.
 
@@ -81,39 +81,20 @@ def import_twin(c, folder: str, out: str) -> str:
     The step folder written.
 
   Raises:
-    SxError: E-EXPORT-001 when the experiment's model is not a gpt2; E-INIT-001 when the
+    SxError: E-EXPORT-001 when the experiment's model has no twin; E-INIT-001 when the
       folder's configuration or tensors do not match it (both sides listed).
   """
-  g = twin.find_gpt2(c.params, c.stages[0].graph, "sexpgpu import")
+  g = twin.find(c.params, c.stages[0].graph, "sexpgpu import")
   tensors, config = source.read_twin_folder(folder, folder)
-  problems = config_problems(g, config)
-  params, more = twin.from_twin(g, tensors, folder)
+  problems = twin.config_problems(g, config)
+  params, more = twin.from_twin(g, tensors, folder, config)
   problems += more
   if problems:
     raise SxError("E-INIT-001", f"{folder} does not fit {c.program.path}: "
                   + "; ".join(problems), where=folder,
-                  fix="import into an experiment whose gpt2 has the folder's vocab, width, "
-                  "layers, heads and n_positions (the knobs of its config.json)")
+                  fix=f"import into an experiment whose {g.kind} has the folder's shape (the "
+                  "values of its config.json, set as knobs)")
   return write_step0(c, params, out)
-
-
-def config_problems(g: twin.Gpt2, config: dict) -> list[str]:
-  """What of a GPT-2 config.json differs from the experiment's gpt2 (both sides)."""
-  ours = {"model_type": "gpt2", "vocab_size": g.vocab, "n_embd": g.width,
-          "n_layer": g.layers, "n_head": g.heads, "n_positions": g.positions}
-  out = [f"config.json {k} {config.get(k)!r} there, {v!r} here" for k, v in ours.items()
-         if config.get(k) != v]
-  act = config.get("activation_function", "gelu_new")
-  if act not in ("gelu_new", "gelu_pytorch_tanh"):
-    out.append(f"config.json activation_function {act!r} there, the tanh GELU here")
-  eps = float(config.get("layer_norm_epsilon", 1e-5))
-  if abs(eps - g.eps) > 1e-12:
-    out.append(f"config.json layer_norm_epsilon {eps} there, {g.eps} here")
-  if config.get("n_inner") not in (None, 4 * g.width):
-    out.append(f"config.json n_inner {config.get('n_inner')} there, {4 * g.width} here")
-  if config.get("scale_attn_by_inverse_layer_idx") or config.get("tie_word_embeddings") is False:
-    out.append("config.json scales attention by layer or unties the head; gpt2 does neither")
-  return out
 
 
 def write_step0(c, params: dict[str, np.ndarray], out: str) -> str:

@@ -47,11 +47,12 @@ class Result:
 
 
 def window(c, fn: str) -> int:
-  """The longest token window `fn` builds on: a gpt2's n_positions, else the loss's length
-  (a learned position table of the training length), else one less."""
-  from sexpgpu.models.twin import find_gpt2
+  """The longest token window `fn` builds on: a gpt2's n_positions or a llama's
+  max_position_embeddings, else the loss's length (a learned position table of the training
+  length), else one less."""
+  from sexpgpu.models.twin import find
   try:
-    return find_gpt2(c.params, c.stages[0].graph, "sample").positions
+    return find(c.params, c.stages[0].graph, "sample").positions
   except SxError:
     pass
   lengths = source.token_lengths(c)

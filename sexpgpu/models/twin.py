@@ -1,15 +1,20 @@
-"""The GPT-2 twin: `.sx` parameter paths of a `gpt2` model ↔ `GPT2LMHeadModel`'s names.
+"""The Hugging Face twins of `std/gpt2` and `std/llama`: `.sx` parameter paths ↔ the twin's
+tensor names, its config.json, and what of a twin's folder does not fit.
 
 A model built from `std/gpt2` keeps its parameters under one root (`lm/gpt2/`): `wte`,
-`wpe`, `ln_f/…` and the layers stacked under `h/gpt2-block/…`. Its twin's tensors are
-`transformer.wte.weight`, `transformer.h.<i>.attn.c_attn.weight`, … (PyTorch's names, the
-ones `from_pretrained` reads); a folder saved by the Flax twin (`kernel`, `scale`,
-`embedding`, Conv1D kernels transposed) imports too.
+`wpe`, `ln_f/…` and the layers stacked under `h/gpt2-block/…`; its twin `GPT2LMHeadModel`
+names them `transformer.wte.weight`, `transformer.h.<i>.attn.c_attn.weight`, … A model built
+from `std/llama` (`lm/llama/`: `embed_tokens`, `layers/llama-block/…`, `norm/scale`,
+`lm_head/w`) is `LlamaForCausalLM`'s `model.embed_tokens.weight`,
+`model.layers.<i>.self_attn.q_proj.weight`, …, `lm_head.weight`; its projections are stored
+[in out] here and [out in] there. The names are PyTorch's, the ones `from_pretrained` reads;
+a folder saved by a Flax twin (`kernel` transposed, `embedding`, `scale`) imports too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -17,10 +22,43 @@ import numpy as np
 from sexpgpu.errors import SxError
 from sexpgpu.ir.graph import Node, walk
 
-# path under the root → the twin's name under `transformer.` ("{i}": the layer)
-TOP = {"wte": "wte.weight", "wpe": "wpe.weight", "ln_f/scale": "ln_f.weight",
-       "ln_f/bias": "ln_f.bias"}
-BLOCK = {
+FIX = ("build the model with (gpt2 tokens ...) from (require std/gpt2) or (llama tokens ...) "
+       "from (require std/llama), or export with --format safetensors, which keeps every "
+       "parameter under its .sx path")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One of the twin's tensors, as a parameter here holds it."""
+
+  name: str  # the twin's name; "{i}" stands for the layer
+  shape: tuple[int, ...]  # its shape here, one layer's (the twin's reversed when transposed)
+  layers: int | None  # stacked here over this many layers, else None
+  transposed: bool = False  # the twin keeps it transposed ([out in] for [in out])
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+  """A standard model's place in an experiment and its twin."""
+
+  kind: str  # "gpt2" or "llama"
+  root: str  # "lm/gpt2/"
+  config: dict  # the twin's config.json
+  positions: int  # the longest window: n_positions, max_position_embeddings
+  tensors: dict[str, Tensor]  # .sx path → its twin tensor
+  prefix: str  # the twin's base-model prefix, absent from some folders ("transformer.")
+  tied_head: bool  # the head is the token embedding (not saved as its own tensor)
+
+  @property
+  def architecture(self) -> str:
+    return self.config["architectures"][0]
+
+
+# --- GPT-2 ----------------------------------------------------------------------------------
+
+GPT2_TOP = {"wte": "wte.weight", "wpe": "wpe.weight", "ln_f/scale": "ln_f.weight",
+            "ln_f/bias": "ln_f.bias"}
+GPT2_BLOCK = {
     "ln_1/scale": "ln_1.weight", "ln_1/bias": "ln_1.bias",
     "attn/c_attn/w": "attn.c_attn.weight", "attn/c_attn/b": "attn.c_attn.bias",
     "attn/c_proj/w": "attn.c_proj.weight", "attn/c_proj/b": "attn.c_proj.bias",
@@ -28,202 +66,316 @@ BLOCK = {
     "mlp/c_fc/w": "mlp.c_fc.weight", "mlp/c_fc/b": "mlp.c_fc.bias",
     "mlp/c_proj/w": "mlp.c_proj.weight", "mlp/c_proj/b": "mlp.c_proj.bias",
 }
-BLOCK_SCOPE = "h/gpt2-block/"
-FIX = ("build the model with (gpt2 tokens ...) from (require std/gpt2), or export with "
-       "--format safetensors, which keeps every parameter under its .sx path")
+GPT2_SCOPE = "h/gpt2-block/"
 
 
-@dataclasses.dataclass(frozen=True)
-class Gpt2:
-  """A `gpt2` model's place in an experiment and its twin's configuration."""
-
-  root: str  # "lm/gpt2/"
-  vocab: int
-  width: int
-  layers: int
-  heads: int
-  positions: int
-  eps: float
-  drop: float
-
-  def sx_to_twin(self) -> dict[str, tuple[str, int | None]]:
-    """.sx path → (the twin's name for layer 0 (with `{i}`) or its one name, stacked?)."""
-    out: dict[str, tuple[str, int | None]] = {}
-    for rel, name in TOP.items():
-      out[self.root + rel] = ("transformer." + name, None)
-    for rel, name in BLOCK.items():
-      out[self.root + BLOCK_SCOPE + rel] = ("transformer.h.{i}." + name, self.layers)
-    return out
-
-  def hf_config(self, eos: int | None = None) -> dict:
-    """The twin's config.json (GPT2Config's keys)."""
-    eos = min(50256, self.vocab - 1) if eos is None else eos
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": self.vocab, "n_positions": self.positions, "n_embd": self.width,
-            "n_layer": self.layers, "n_head": self.heads, "n_inner": None,
-            "activation_function": "gelu_new", "resid_pdrop": self.drop,
-            "embd_pdrop": self.drop, "attn_pdrop": self.drop,
-            "layer_norm_epsilon": self.eps, "initializer_range": 0.02,
+def _gpt2(root: str, params: dict, graph) -> Twin:
+  vocab, width = params[root + "wte"].full_shape
+  positions = params[root + "wpe"].full_shape[0]
+  layers = _layers(params, root + GPT2_SCOPE)
+  d, v, n = width, vocab, positions
+  top = {"wte": (v, d), "wpe": (n, d), "ln_f/scale": (d,), "ln_f/bias": (d,)}
+  block = {"attn/c_attn/w": (d, 3 * d), "attn/c_attn/b": (3 * d,), "attn/c_proj/w": (d, d),
+           "mlp/c_fc/w": (d, 4 * d), "mlp/c_fc/b": (4 * d,), "mlp/c_proj/w": (4 * d, d)}
+  tensors = {root + rel: Tensor("transformer." + name, top[rel], None)
+             for rel, name in GPT2_TOP.items()}
+  tensors.update({root + GPT2_SCOPE + rel: Tensor("transformer.h.{i}." + name,
+                                                  block.get(rel, (d,)), layers)
+                  for rel, name in GPT2_BLOCK.items()})
+  heads, eps, drop = None, 1e-5, 0.0
+  for node in _scope_nodes(graph, root):
+    if (node.op == "reshape" and node.scope.endswith("/attn") and len(node.shape) == 4
+        and node.shape[2] * node.shape[3] == width):
+      heads = node.shape[2]
+    eps = _literal(node, "/ln_f", "+", eps)
+    if node.op == "dropout":
+      drop = max(drop, float(node.attr("rate")))
+  if heads is None and layers:
+    raise SxError("E-EXPORT-001", "the gpt2 model's attention heads cannot be read from its "
+                  "graph", where=root, fix=FIX)
+  eos = min(50256, vocab - 1)
+  config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": vocab, "n_positions": positions, "n_embd": width,
+            "n_layer": layers, "n_head": heads, "n_inner": None,
+            "activation_function": "gelu_new", "resid_pdrop": drop,
+            "embd_pdrop": drop, "attn_pdrop": drop,
+            "layer_norm_epsilon": eps, "initializer_range": 0.02,
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
             "bos_token_id": eos, "eos_token_id": eos, "use_cache": True,
             "torch_dtype": "float32"}
+  return Twin("gpt2", root, config, positions, tensors, "transformer.", tied_head=True)
 
 
-def find_gpt2(params: dict, graph: Any, what: str) -> Gpt2:
-  """The `gpt2` model among an experiment's parameters.
+def _gpt2_config_problems(t: Twin, theirs: dict) -> list[str]:
+  ours = t.config
+  out = _differ(theirs, ours, ("model_type", "vocab_size", "n_embd", "n_layer", "n_head",
+                               "n_positions"))
+  act = theirs.get("activation_function", "gelu_new")
+  if act not in ("gelu_new", "gelu_pytorch_tanh"):
+    out.append(f"config.json activation_function {act!r} there, the tanh GELU here")
+  eps = float(theirs.get("layer_norm_epsilon", 1e-5))
+  if abs(eps - ours["layer_norm_epsilon"]) > 1e-12:
+    out.append(f"config.json layer_norm_epsilon {eps} there, {ours['layer_norm_epsilon']} here")
+  if theirs.get("n_inner") not in (None, 4 * ours["n_embd"]):
+    out.append(f"config.json n_inner {theirs.get('n_inner')} there, {4 * ours['n_embd']} here")
+  if theirs.get("scale_attn_by_inverse_layer_idx") or theirs.get("tie_word_embeddings") is False:
+    out.append("config.json scales attention by layer or unties the head; gpt2 does neither")
+  return out
+
+
+# --- Llama ----------------------------------------------------------------------------------
+
+LLAMA_TOP = {"embed_tokens": ("model.embed_tokens.weight", False),
+             "norm/scale": ("model.norm.weight", False), "lm_head/w": ("lm_head.weight", True)}
+LLAMA_BLOCK = {
+    "input_layernorm/scale": ("input_layernorm.weight", False),
+    "self_attn/q_proj/w": ("self_attn.q_proj.weight", True),
+    "self_attn/k_proj/w": ("self_attn.k_proj.weight", True),
+    "self_attn/v_proj/w": ("self_attn.v_proj.weight", True),
+    "self_attn/o_proj/w": ("self_attn.o_proj.weight", True),
+    "post_attention_layernorm/scale": ("post_attention_layernorm.weight", False),
+    "mlp/gate_proj/w": ("mlp.gate_proj.weight", True),
+    "mlp/up_proj/w": ("mlp.up_proj.weight", True),
+    "mlp/down_proj/w": ("mlp.down_proj.weight", True),
+}
+LLAMA_SCOPE = "layers/llama-block/"
+
+
+def _llama(root: str, params: dict, graph) -> Twin:
+  vocab, width = params[root + "embed_tokens"].full_shape
+  layers = _layers(params, root + LLAMA_SCOPE)
+
+  def one(rel: str, axis: int, default: int) -> int:
+    p = params.get(root + LLAMA_SCOPE + rel)
+    return p.full_shape[1 + axis] if p is not None and len(p.full_shape) == 3 else default
+
+  hidden = one("mlp/gate_proj/w", 1, 4 * width)
+  kv_width = one("self_attn/k_proj/w", 1, width)
+  # the rotary table [context half] of the first rope (dh = 2·half), its base from the
+  # frequencies' exponent (-log(base)/half), the final norm's epsilon
+  context = half = base = None
+  eps = 1e-6
+  for node in _scope_nodes(graph, root):
+    if node.op == "cos" and "/rope" in node.scope and context is None and len(node.shape) == 2:
+      context, half = node.shape
+    if (node.op == "*" and "/rope" in node.scope and base is None and len(node.shape) == 1
+        and any(isinstance(i, float) and i < 0 for i in node.inputs)):
+      lit = next(i for i in node.inputs if isinstance(i, float))
+      base = float(f"{math.exp(-lit * node.shape[0]):.10g}")
+    eps = _literal(node, "/norm", "+", eps)
+  if context is None or base is None:
+    if layers:
+      raise SxError("E-EXPORT-001", "the llama model's rotary table cannot be read from its "
+                    "graph", where=root, fix=FIX)
+    context, half, base = 0, max(width // 2, 1), 10000.0
+  dh = 2 * half
+  heads, kv = width // dh, kv_width // dh
+  d, v, i, k = width, vocab, hidden, kv * dh
+  top = {"embed_tokens": (v, d), "norm/scale": (d,), "lm_head/w": (d, v)}
+  block = {"input_layernorm/scale": (d,), "self_attn/q_proj/w": (d, heads * dh),
+           "self_attn/k_proj/w": (d, k), "self_attn/v_proj/w": (d, k),
+           "self_attn/o_proj/w": (heads * dh, d), "post_attention_layernorm/scale": (d,),
+           "mlp/gate_proj/w": (d, i), "mlp/up_proj/w": (d, i), "mlp/down_proj/w": (i, d)}
+  tensors = {root + rel: Tensor(name, top[rel], None, tr)
+             for rel, (name, tr) in LLAMA_TOP.items()}
+  tensors.update({root + LLAMA_SCOPE + rel: Tensor("model.layers.{i}." + name, block[rel],
+                                                   layers, tr)
+                  for rel, (name, tr) in LLAMA_BLOCK.items()})
+  config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": vocab, "hidden_size": width, "intermediate_size": hidden,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": dh, "max_position_embeddings": context,
+            "rms_norm_eps": eps, "rope_theta": base, "rope_scaling": None,
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+            "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": False,
+            "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None,
+            "use_cache": True, "torch_dtype": "float32"}
+  return Twin("llama", root, config, context, tensors, "model.", tied_head=False)
+
+
+def _llama_config_problems(t: Twin, theirs: dict) -> list[str]:
+  ours = t.config
+  out = _differ(theirs, ours, ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads",
+                               "max_position_embeddings"))
+  defaults = {"num_key_value_heads": theirs.get("num_attention_heads"), "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
+              "mlp_bias": False, "rope_scaling": None,
+              "head_dim": ours["hidden_size"] // max(ours["num_attention_heads"] or 1, 1)}
+  for key, default in defaults.items():
+    value = theirs.get(key, default)
+    value = default if value is None and key == "head_dim" else value
+    same = (math.isclose(float(value), float(ours[key]), rel_tol=1e-9)
+            if key in ("rms_norm_eps", "rope_theta") else value == ours[key])
+    if not same:
+      out.append(f"config.json {key} {value!r} there, {ours[key]!r} here")
+  return out
+
+
+KINDS = {"gpt2": (("wte", "wpe"), _gpt2, _gpt2_config_problems),
+         "llama": (("embed_tokens", "lm_head/w"), _llama, _llama_config_problems)}
+
+
+# --- finding a twin ---------------------------------------------------------------------------
+
+def find(params: dict, graph: Any, what: str) -> Twin:
+  """The standard model with a twin among an experiment's parameters.
 
   Args:
     params: path → Param (the experiment's parameter table).
-    graph: a graph that reads them (the loss's), to read heads, eps and dropout from.
+    graph: a graph that reads them (the loss's), to read heads, epsilons and the like from.
     what: the command that needs the twin, for the error ("--format hf").
 
   Raises:
     SxError: E-EXPORT-001 naming every parameter that has no place in the twin.
   """
-  roots = sorted(p[:-len("wte")] for p in params if p == "wte" or p.endswith("/wte"))
-  roots = [r for r in roots if r + "wpe" in params]
-  if len(roots) != 1:
+  found = []
+  for kind, (anchors, _, _) in KINDS.items():
+    first, second = anchors
+    for path in params:
+      if path == first or path.endswith("/" + first):
+        root = path[:-len(first)]
+        if root + second in params:
+          found.append((kind, root))
+  if len(found) != 1:
     names = sorted(params)
-    raise SxError("E-EXPORT-001", f"{what}: the model is not one gpt2 "
-                  f"({'no' if not roots else len(roots)} wte/wpe pair found); parameters "
-                  f"with no place in GPT2LMHeadModel: {', '.join(names[:12])}"
+    kinds = ", ".join(f"{k} at {r or '/'}" for k, r in found)
+    raise SxError("E-EXPORT-001", f"{what}: the model is not one gpt2 or llama "
+                  f"({'no wte/wpe or embed_tokens/lm_head found' if not found else kinds}); "
+                  f"parameters with no place in GPT2LMHeadModel or LlamaForCausalLM: "
+                  f"{', '.join(names[:12])}"
                   + (f" and {len(names) - 12} more" if len(names) > 12 else ""),
                   where=what, fix=FIX)
-  root = roots[0]
-  wte, wpe = params[root + "wte"], params[root + "wpe"]
-  vocab, width = wte.full_shape
-  layer_ps = [p for path, p in params.items() if path.startswith(root + BLOCK_SCOPE)]
-  layers = layer_ps[0].stack[0] if layer_ps and layer_ps[0].stack else 0
-  probe = Gpt2(root, vocab, width, layers, 1, wpe.full_shape[0], 1e-5, 0.0)
-  want = {path: _twin_shape(path, probe) for path in probe.sx_to_twin()}
+  kind, root = found[0]
+  twin = KINDS[kind][1](root, params, graph)
+  want = {p: ((t.layers,) if t.layers else ()) + t.shape for p, t in twin.tensors.items()}
   extra = sorted(p for p in params if p not in want)
   wrong = sorted(f"{p} {list(params[p].full_shape)} (the twin's is {list(want[p])})"
                  for p in params if p in want and tuple(params[p].full_shape) != want[p])
   missing = sorted(p for p in want if p not in params)
   if extra or wrong or missing:
-    parts = ([f"no place in GPT2LMHeadModel: {', '.join(extra)}"] if extra else []) + (
+    parts = ([f"no place in {twin.architecture}: {', '.join(extra)}"] if extra else []) + (
         [f"another shape: {'; '.join(wrong)}"] if wrong else []) + (
         [f"missing: {', '.join(missing)}"] if missing else [])
-    raise SxError("E-EXPORT-001", f"{what}: parameters that do not map onto the gpt2 twin: "
+    raise SxError("E-EXPORT-001", f"{what}: parameters that do not map onto the {kind} twin: "
                   + " | ".join(parts), where=what, fix=FIX)
-  heads, eps, drop = _read_graph(graph, root, width)
-  return dataclasses.replace(probe, heads=heads, eps=eps, drop=drop)
+  return twin
 
 
-def _twin_shape(path: str, g: Gpt2) -> tuple[int, ...]:
-  rel = path[len(g.root):]
-  d, v, n, L = g.width, g.vocab, g.positions, g.layers
-  top = {"wte": (v, d), "wpe": (n, d), "ln_f/scale": (d,), "ln_f/bias": (d,)}
-  if rel in top:
-    return top[rel]
-  rel = rel[len(BLOCK_SCOPE):]
-  shapes = {"attn/c_attn/w": (d, 3 * d), "attn/c_attn/b": (3 * d,), "attn/c_proj/w": (d, d),
-            "mlp/c_fc/w": (d, 4 * d), "mlp/c_fc/b": (4 * d,), "mlp/c_proj/w": (4 * d, d)}
-  return (L,) + shapes.get(rel, (d,))
+def config_problems(twin: Twin, config: dict) -> list[str]:
+  """What of a twin's config.json differs from the experiment's model (both sides)."""
+  return KINDS[twin.kind][2](twin, config)
 
 
-def _all_nodes(graph) -> list[Node]:
+def _differ(theirs: dict, ours: dict, keys) -> list[str]:
+  return [f"config.json {k} {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys
+          if theirs.get(k) != ours[k]]
+
+
+def _layers(params: dict, scope: str) -> int:
+  stacked = [p for path, p in params.items() if path.startswith(scope)]
+  return stacked[0].stack[0] if stacked and stacked[0].stack else 0
+
+
+def _scope_nodes(graph, root: str) -> list[Node]:
+  """The nodes under the model's scope, the bodies of repeats included."""
+  scope = root.rstrip("/")
   out, todo = [], list(graph.nodes())
   while todo:
     n = todo.pop()
-    out.append(n)
+    if n.scope.startswith(scope):
+      out.append(n)
     if n.op == "repeat":
-      body = n.attr("body")
-      todo.extend(walk([body.output]))
+      todo.extend(walk([n.attr("body").output]))
   return out
 
 
-def _read_graph(graph, root: str, width: int) -> tuple[int, float, float]:
-  """Heads (the attention's [b t heads dh] reshape), layernorm eps and dropout rate."""
-  heads, eps, drop = None, 1e-5, 0.0
-  scope = root.rstrip("/")
-  for n in _all_nodes(graph):
-    if not n.scope.startswith(scope):
-      continue
-    if (n.op == "reshape" and n.scope.endswith("/attn") and len(n.shape) == 4
-        and n.shape[2] * n.shape[3] == width):
-      heads = n.shape[2]
-    if n.op == "+" and n.scope.endswith("/ln_f"):
-      lits = [i for i in n.inputs if isinstance(i, float)]
-      if lits:
-        eps = lits[0]
-    if n.op == "dropout":
-      drop = max(drop, float(n.attr("rate")))
-  if heads is None:
-    raise SxError("E-EXPORT-001", "the gpt2 model's attention heads cannot be read from its "
-                  "graph", where=root, fix=FIX)
-  return heads, eps, drop
+def _literal(node: Node, scope_end: str, op: str, default: float) -> float:
+  """The float operand of an `op` node in a scope ending `scope_end` (a norm's epsilon)."""
+  if node.op == op and node.scope.endswith(scope_end):
+    lits = [i for i in node.inputs if isinstance(i, float)]
+    if lits:
+      return lits[0]
+  return default
 
 
-def to_twin(g: Gpt2, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """The twin's tensors (PyTorch names; the tied lm_head is left out, as transformers does)."""
+# --- tensors both ways ------------------------------------------------------------------------
+
+def to_twin(twin: Twin, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The twin's tensors by PyTorch's names (a tied head is left out, as transformers does)."""
   out = {}
-  for path, (name, stacked) in g.sx_to_twin().items():
+  for path, t in twin.tensors.items():
     value = np.asarray(params[path])
-    if stacked is None:
-      out[name] = np.ascontiguousarray(value)
-    else:
-      for i in range(stacked):
-        out[name.format(i=i)] = np.ascontiguousarray(value[i])
+    layers = [value[i] for i in range(t.layers)] if t.layers is not None else [value]
+    for i, v in enumerate(layers):
+      out[t.name.format(i=i)] = np.ascontiguousarray(v.T if t.transposed else v)
   return out
 
 
-def _flax_name(name: str) -> tuple[str, bool]:
-  """A PyTorch twin name → the Flax twin's, and whether its value is transposed there."""
-  if name.endswith(("wte.weight", "wpe.weight")):
-    return name[:-len("weight")] + "embedding", False
-  if (name.startswith("ln_") or ".ln_" in name) and name.endswith(".weight"):
-    return name[:-len("weight")] + "scale", False
-  if name.endswith(".weight"):
-    return name[:-len("weight")] + "kernel", True
-  return name, False
+def _other_names(name: str) -> list[tuple[str, bool]]:
+  """The names a Flax twin gives a PyTorch name, each with whether it is transposed there."""
+  if not name.endswith(".weight"):
+    return []
+  stem = name[:-len("weight")]
+  return [(stem + "kernel", True), (stem + "embedding", False), (stem + "scale", False)]
 
 
-def from_twin(g: Gpt2, tensors: dict[str, np.ndarray], where: str) -> tuple[dict, list[str]]:
-  """The `.sx` parameters from a twin's tensors (PyTorch or Flax names, with or without
-  the `transformer.` prefix).
+def from_twin(twin: Twin, tensors: dict[str, np.ndarray], where: str,
+              config: dict | None = None) -> tuple[dict, list[str]]:
+  """The `.sx` parameters from a twin's tensors (PyTorch or Flax names, with or without the
+  base model's prefix).
+
+  Args:
+    config: the folder's config.json, if known: a llama whose head is tied to its embedding
+      (`tie_word_embeddings`) gets the embedding as its head.
 
   Returns:
     (path → array, problems): problems lists every missing, extra or mismatched tensor;
     the caller raises it with its own code.
   """
-  names = {k[len("transformer."):] if k.startswith("transformer.") else k: k for k in tensors}
+  names = {k[len(twin.prefix):] if k.startswith(twin.prefix) else k: k for k in tensors}
   used, problems, out = set(), [], {}
 
-  def get(name: str, shape: tuple) -> np.ndarray | None:
-    short = name[len("transformer."):]
-    flax, transposed = _flax_name(short)
-    for key, t in ((short, False), (flax, transposed)):
+  def get(name: str, shape: tuple, transposed: bool) -> np.ndarray | None:
+    short = name[len(twin.prefix):] if name.startswith(twin.prefix) else name
+    for key, flip in [(short, False)] + _other_names(short):
       if key in names:
         used.add(key)
         v = np.asarray(tensors[names[key]])
-        v = v.T if t else v
+        v = v.T if flip != transposed else v
         if tuple(v.shape) != tuple(shape):
-          problems.append(f"{names[key]}: {v.dtype}{list(v.shape)} there, "
-                          f"[{', '.join(map(str, shape))}] here")
+          there = v.T.shape if transposed else v.shape
+          here = tuple(reversed(shape)) if transposed else shape
+          problems.append(f"{names[key]}: {v.dtype}{list(there)} there, "
+                          f"[{', '.join(map(str, here))}] here")
           return None
         return v
     problems.append(f"{name}: missing there")
     return None
 
-  for path, (name, stacked) in g.sx_to_twin().items():
-    shape = _twin_shape(path, g)
-    if stacked is None:
-      v = get(name, shape)
+  tied = (twin.kind == "llama" and (config or {}).get("tie_word_embeddings")
+          and not any(k in names for k in ("lm_head.weight", "lm_head.kernel")))
+  for path, t in twin.tensors.items():
+    if tied and t.name == "lm_head.weight":
+      continue
+    if t.layers is None:
+      v = get(t.name, t.shape, t.transposed)
       if v is not None:
         out[path] = v
     else:
-      layers = [get(name.format(i=i), shape[1:]) for i in range(stacked)]
+      layers = [get(t.name.format(i=i), t.shape, t.transposed) for i in range(t.layers)]
       if all(x is not None for x in layers):
         out[path] = np.stack(layers)
+  if tied and twin.root + "embed_tokens" in out:
+    out[twin.root + "lm_head/w"] = np.ascontiguousarray(out[twin.root + "embed_tokens"].T)
   for key, full in names.items():
-    if key in used or key.endswith((".attn.bias", ".attn.masked_bias")):
-      continue  # GPT-2's causal-mask buffers of old transformers versions
-    if key in ("lm_head.weight", "lm_head.kernel"):
+    if key in used or key.endswith((".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")):
+      continue  # buffers of older transformers versions: GPT-2's causal mask, Llama's rope
+    if twin.tied_head and key in ("lm_head.weight", "lm_head.kernel"):
       v = np.asarray(tensors[full])
       v = v.T if key.endswith("kernel") else v
-      wte = out.get(g.root + "wte")
+      wte = out.get(twin.root + "wte")
       if wte is not None and v.shape == wte.shape and np.array_equal(v, wte):
         continue  # the tied head, saved anyway
       problems.append(f"{full}: an untied head there; gpt2 ties it to wte")

@@ -40,17 +40,17 @@ def load(c, value: str) -> tuple[dict[str, np.ndarray], str]:
     SxError: E-INIT-001 for a source that cannot be read or does not fit the twin;
       E-CKPT-003 for an unreadable checkpoint folder.
   """
-  from sexpgpu.models import export, twin
+  from sexpgpu.models import twin
   where = ":init-from"
   if value.startswith("hf:"):
     folder = _local(value[3:], c)
     tensors, config = source.read_twin_folder(folder, where)
-    g = twin.find_gpt2(c.params, c.stages[0].graph, ":init-from hf:")
-    params, problems = twin.from_twin(g, tensors, folder)
-    problems = export.config_problems(g, config) + problems
+    g = twin.find(c.params, c.stages[0].graph, ":init-from hf:")
+    params, problems = twin.from_twin(g, tensors, folder, config)
+    problems = twin.config_problems(g, config) + problems
     if problems:
-      raise SxError("E-INIT-001", f"{value} does not fit this gpt2: " + "; ".join(problems),
-                    where=where, fix=FIX)
+      raise SxError("E-INIT-001", f"{value} does not fit this {g.kind}: "
+                    + "; ".join(problems), where=where, fix=FIX)
     return params, f"hf:{folder}"
   if value.endswith(".safetensors"):
     path = _local(value, c)
@@ -59,11 +59,11 @@ def load(c, value: str) -> tuple[dict[str, np.ndarray], str]:
                     fix="give a .safetensors file written by sexpgpu export")
     tensors, meta = source.read_safetensors(path)
     if meta.get("format") in ("pt", "flax"):  # a twin's tensors, by its names
-      g = twin.find_gpt2(c.params, c.stages[0].graph, ":init-from")
+      g = twin.find(c.params, c.stages[0].graph, ":init-from")
       params, problems = twin.from_twin(g, tensors, path)
       if problems:
-        raise SxError("E-INIT-001", f"{path} does not fit this gpt2: " + "; ".join(problems),
-                      where=where, fix=FIX)
+        raise SxError("E-INIT-001", f"{path} does not fit this {g.kind}: "
+                      + "; ".join(problems), where=where, fix=FIX)
       return params, path
     step = meta.get("step")
     return tensors, path + (f" (step {step} of {meta.get('slug')})" if step else "")

@@ -164,7 +164,8 @@ STD = {
     "mlp": "dense → act → dense; :hidden defaults to 4 × width",
     "attention": "multi-head self-attention written with einsum (the sdpa pattern's target);"
                  " the width must divide by :heads",
-    "rope": "rotary position embedding over the last axis",
+    "rope": "rotary position embedding over the last axis (Llama's half-split rotation),"
+            " a table of :context positions, or read at :positions",
     "block": "a pre-norm transformer block: attention and mlp with residuals",
     "transformer-lm": "token embedding, :layers blocks (a repeat), norm, logits over :vocab",
     "lm-inputs": "tokens without the last position",
@@ -178,6 +179,15 @@ STD = {
     "gpt2-block": "GPT-2's block: ln_1, attention, ln_2, mlp, with residuals",
     "gpt2": "GPT-2 as transformers' GPT2LMHeadModel: tokens [b t] to logits [b t vocab],"
             " learned positions (:context), tied head",
+    "llama-linear": "a Linear without bias: x @ w, w [in out], initialized normal 0.02",
+    "repeat-heads": "key/value heads [b kv t dh] repeated to [b kv·n t dh] (grouped-query)",
+    "llama-attention": "Llama's causal self-attention: q/k/v/o projections, rotary positions,"
+                       " :kv-heads for grouped-query attention, :segments for packing",
+    "llama-mlp": "Llama's SwiGLU MLP: down(silu(gate(x)) · up(x)), :hidden wide",
+    "llama-block": "Llama's block: input_layernorm, attention, post_attention_layernorm, mlp",
+    "llama": "Llama as transformers' LlamaForCausalLM: tokens [b t] to logits [b t vocab],"
+             " rmsnorm, rotary positions (:context, :rope-theta), SwiGLU (:hidden),"
+             " grouped-query attention (:kv-heads), untied head",
     "same-doc": "attention scores kept only where query and key share a packed document"
                 " (nil segments: all)",
 }
