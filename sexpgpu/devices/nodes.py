@@ -5,15 +5,24 @@ arrives, with no Python exception to catch. So a watchdog thread of ours is
 armed before `jax.distributed.initialize` (whose own timeouts are set longer)
 and around every later wait; past SEXPGPU_RENDEZVOUS_TIMEOUT it writes the
 status (a callback), prints E-DP-007 and leaves with exit 1 via os._exit.
+
+JAX's client also aborts the process the instant its connection to the
+coordinator (node 0) breaks. A Python callback cannot replace that abort
+(jaxlib 0.10.2 cannot hand the callback its absl::Status: std::bad_cast, then
+SIGABRT). So every other node reaches node 0 through a relay of ours on a
+loopback port: when node 0 goes, the relay keeps JAX's side of the connection
+open and reports the loss to the watchdog, which ends the run with E-DP-007.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import tempfile
 import threading
@@ -30,6 +39,10 @@ FIX_HASH = ("a backend bug, never the experiment's fault: that checkpoint was no
             "SEXPGPU_DEVICES")
 # JAX's own deadlines sit this far past ours, so the watchdog always fires first.
 MARGIN_S = 60
+# How long node 0's loss, seen by the relay while this node waits on no other node, may go
+# unreported: the next wait reports it at once, and JAX's client notices no sooner than a
+# missed heartbeat (half of heartbeat_timeout, at least 50 s), then aborts.
+LEFT_GRACE_S = 10
 # What every node publishes at the rendezvous, and how the error names it.
 COMPARED = (("nodes", "node count"), ("gpus", "GPU count"), ("fingerprint", "experiment"),
             ("gradients", "gradient dtype"), ("resume", "resume checkpoint"))
@@ -47,23 +60,32 @@ def _stderr_fd() -> int:
 
 
 class Watchdog:
-  """Exits the process with E-DP-007 when an armed wait outlasts the timeout."""
+  """Exits the process with E-DP-007 when an armed wait outlasts the timeout, or a node left."""
 
   def __init__(self, cfg: NodeConfig, timeout_s: float,
                on_timeout: Callable[[SxError], None] | None = None):
     self.cfg = cfg
     self.timeout_s = float(timeout_s)
     self.on_timeout = on_timeout
+    # The last committed checkpoint, named in the error (the run sets it; None: not named).
+    self.checkpoint: Callable[[], str | None] | None = None
     self._cv = threading.Condition()
     self._deadline: float | None = None
     self._what = ""
+    self._left: tuple[str, str] | None = None  # (who, cause): a node seen leaving the run
+    self._left_by: float | None = None  # report it by then, waiting or not
+    self._finishing = False
+    self._failing = threading.Lock()
     _stderr_fd()
     self._thread = threading.Thread(target=self._loop, name="sexpgpu-watchdog", daemon=True)
     self._thread.start()
 
   def arm(self, what: str, timeout_s: float | None = None) -> None:
-    """Starts the clock for a wait (`what` is named in the error)."""
+    """Starts the clock for a wait (`what` is named in the error); a node already seen
+    leaving ends the run here."""
     with self._cv:
+      if self._left is not None and not self._finishing:
+        self._fail_left(what)
       self._what = what
       self._deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
       self._cv.notify()
@@ -83,31 +105,89 @@ class Watchdog:
     finally:
       self.disarm()
 
+  def left(self, who: str, cause: str) -> None:
+    """Reports that `who` left the run, seen outside JAX (the relay).
+
+    During a wait on the other nodes the run ends now with E-DP-007; otherwise at the next
+    wait, or after LEFT_GRACE_S at the latest. Ignored once the process is finishing.
+    """
+    with self._cv:
+      if self._finishing or self._left is not None:
+        return
+      self._left = (who, cause)
+      if self._deadline is not None:
+        self._fail_left(self._what)
+      self._left_by = time.monotonic() + LEFT_GRACE_S
+      self._cv.notify()
+
+  def finish(self) -> None:
+    """The process is ending: a node that leaves now (node 0 first) is no error."""
+    with self._cv:
+      self._finishing = True
+      self._left_by = None
+      self._cv.notify()
+
+  def seen_leaving(self) -> str | None:
+    """The node the relay saw leave the run, if any."""
+    with self._cv:
+      return self._left[0] if self._left is not None else None
+
+  def other(self) -> str:
+    """The node this one waits on, as errors name it: the other of two, else "a node"."""
+    return f"node {1 - self.cfg.rank}" if self.cfg.nodes == 2 else "a node"
+
   def error(self, what: str) -> SxError:
-    """The E-DP-007 error for a wait at `what`."""
+    """The E-DP-007 error for a wait at `what` that outlasted the timeout."""
     c = self.cfg
-    return SxError("E-DP-007", f"a node did not arrive at the rendezvous within "
+    return SxError("E-DP-007", f"{self.other()} did not arrive at the rendezvous within "
                    f"{self.timeout_s:g} s, or left the run (node {c.rank} of {c.nodes} waited "
-                   f"at {what})", where=f"SEXPGPU_RENDEZVOUS={c.rendezvous}", fix=FIX_ARRIVE)
+                   f"at {what}){self._committed()}", where=f"SEXPGPU_RENDEZVOUS={c.rendezvous}",
+                   fix=FIX_ARRIVE)
+
+  def left_error(self, who: str, what: str, cause: str, checkpoint: str | None = None
+                 ) -> SxError:
+    """The E-DP-007 error for `who` leaving the run, seen at `what` failing with `cause`."""
+    c = self.cfg
+    return SxError("E-DP-007", f"{who} left the run: node {c.rank} of {c.nodes} saw {what} "
+                   f"fail ({cause}){self._committed(checkpoint)}",
+                   where=f"SEXPGPU_RENDEZVOUS={c.rendezvous}", fix=FIX_ARRIVE)
+
+  def _committed(self, checkpoint: str | None = None) -> str:
+    if checkpoint is None and self.checkpoint is None:
+      return ""  # outside a run (nodes joined by a script)
+    if checkpoint is None:
+      checkpoint = self.checkpoint()
+    return f"; the last committed checkpoint is {checkpoint or 'none'}"
 
   def _loop(self) -> None:
     with self._cv:
       while True:
-        if self._deadline is None:
+        due = [d for d in (self._deadline, self._left_by) if d is not None]
+        if not due:
           self._cv.wait()
           continue
-        left = self._deadline - time.monotonic()
+        left = min(due) - time.monotonic()
         if left > 0:
           self._cv.wait(left)
           continue
+        if self._deadline is None or self._deadline > time.monotonic():
+          self._fail_left("its link to node 0")  # a node left while this one waited on none
         self._fire(self._what)
+
+  def _fail_left(self, what: str) -> None:
+    who, cause = self._left
+    self.fail(self.left_error(who, what, cause))
 
   def _fire(self, what: str) -> None:
     self.fail(self.error(what))
 
   def fail(self, err: SxError) -> None:
     """Reports `err` (the status first) and exits 1 at once: a run that lost a node must not
-    reach JAX's shutdown barrier, which waits for the lost node and then aborts."""
+    reach JAX's shutdown barrier, which waits for the lost node and then aborts.
+
+    Of several threads that fail at once, the first reports; the others wait for its exit.
+    """
+    self._failing.acquire()  # never released: the process ends below
     try:
       if self.on_timeout is not None:
         self.on_timeout(err)
@@ -118,13 +198,100 @@ class Watchdog:
         os._exit(1)  # before JAX's own deadline aborts the process with SIGABRT
 
 
+class _Relay:
+  """A loopback port between this node's JAX client and the coordinator on node 0.
+
+  JAX's client aborts the process (LOG(FATAL), SIGABRT) the instant its
+  connection to the coordinator breaks, racing the E-DP-007 of the collective
+  that failed with it. Through the relay it sees no break: the relay keeps this
+  side open and calls `on_lost` instead. JAX would notice only at a missed
+  heartbeat, long after the watchdog ended the run.
+  """
+
+  def __init__(self, host: str, port: int, connect_s: float, on_lost: Callable[[str], None]):
+    self.upstream = (host.strip("[]"), port)
+    self.connect_s = connect_s
+    self.on_lost = on_lost
+    self.finishing = False
+    self._server = socket.create_server(("127.0.0.1", 0))
+    self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+    threading.Thread(target=self._accept, name="sexpgpu-relay", daemon=True).start()
+
+  def _accept(self) -> None:
+    while True:
+      try:
+        down, _ = self._server.accept()
+      except OSError:
+        return
+      threading.Thread(target=self._join, args=(down,), name="sexpgpu-relay", daemon=True).start()
+
+  def _join(self, down: socket.socket) -> None:
+    # Node 0 may not listen yet: JAX's client waits on this connection meanwhile.
+    deadline = time.monotonic() + self.connect_s
+    while True:
+      try:
+        up = socket.create_connection(self.upstream, timeout=10)
+        break
+      except OSError:
+        if time.monotonic() > deadline:
+          down.close()
+          return
+        time.sleep(0.05)
+    up.settimeout(None)
+    for sock in (down, up):
+      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    closed = threading.Event()  # set when JAX's client closed its side
+    threading.Thread(target=self._pump, args=(down, up, closed, False), name="sexpgpu-relay",
+                     daemon=True).start()
+    self._pump(up, down, closed, True)
+
+  def _pump(self, src: socket.socket, dst: socket.socket, closed: threading.Event,
+            from_node_0: bool) -> None:
+    node_0 = f"node 0 at {self.upstream[0]}:{self.upstream[1]}"
+    cause = f"{node_0} closed the connection"
+    try:
+      while data := src.recv(1 << 16):
+        try:
+          dst.sendall(data)
+        except OSError:
+          return  # the other direction sees why
+    except OSError as e:
+      cause = f"{e.strerror or type(e).__name__} from {node_0}"
+    if not from_node_0:
+      closed.set()
+    elif not closed.is_set() and not self.finishing:
+      self.on_lost(cause)
+      return  # JAX's side stays open: its client must not see the loss
+    with contextlib.suppress(OSError):
+      dst.shutdown(socket.SHUT_WR)
+    if from_node_0 and closed.is_set():  # both directions are over
+      src.close()
+      dst.close()
+
+
 class Rendezvous:
   """The node's link to the others: the jax.distributed client and our watchdog."""
 
-  def __init__(self, cfg: NodeConfig, client, watchdog: Watchdog):
+  def __init__(self, cfg: NodeConfig, client, watchdog: Watchdog, relay: _Relay | None = None):
     self.cfg = cfg
     self.client = client
     self.watchdog = watchdog
+    self.relay = relay
+
+  @property
+  def checkpoint(self) -> Callable[[], str | None] | None:
+    """Gives the last committed checkpoint (named in E-DP-007); set by the run."""
+    return self.watchdog.checkpoint
+
+  @checkpoint.setter
+  def checkpoint(self, last: Callable[[], str | None]) -> None:
+    self.watchdog.checkpoint = last
+
+  def finish(self) -> None:
+    """The process is ending: other nodes leaving (node 0 first) is no error now."""
+    if self.relay is not None:
+      self.relay.finishing = True
+    self.watchdog.finish()
 
   @property
   def timeout_ms(self) -> int:
@@ -137,11 +304,10 @@ class Rendezvous:
 
   def lost(self, what: str, cause: str, checkpoint: str | None) -> None:
     """Exits with E-DP-007 after a collective failed because another node left the run."""
-    c = self.cfg
-    self.watchdog.fail(SxError(
-        "E-DP-007", f"another node left the run: node {c.rank} of {c.nodes} saw {what} fail "
-        f"({cause}); the last committed checkpoint is {checkpoint or 'none'}",
-        where=f"SEXPGPU_RENDEZVOUS={c.rendezvous}", fix=FIX_ARRIVE))
+    wd = self.watchdog
+    seen = wd.seen_leaving()
+    who = seen or (wd.other() if self.cfg.nodes == 2 else "another node")
+    wd.fail(wd.left_error(who, what, cause, checkpoint or "none"))
 
   def barrier(self, name: str) -> None:
     """Waits until every node reaches `name`, under the watchdog."""
@@ -208,20 +374,27 @@ def initialize(cfg: NodeConfig, timeout_s: float,
   from orbax.checkpoint import multihost  # jax exports no public handle on its client
   wd = Watchdog(cfg, timeout_s, on_timeout)
   wd.arm("jax.distributed.initialize")  # before: initialize itself may hang or abort
+  longer = int(timeout_s) + MARGIN_S
+  relay, address = None, cfg.rendezvous
+  if cfg.rank != 0:  # node 0's own client dies with the coordinator
+    relay = _Relay(cfg.host, cfg.port, longer, lambda cause: wd.left("node 0", cause))
+    address = relay.address
   if cfg.collectives == "gloo":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   # JAX's preemption service takes SIGTERM's handler from ours and swallows the signal; the
   # nodes agree on a stop through the step's own stop flags instead.
   jax.config.update("jax_enable_preemption_service", False)
-  longer = int(timeout_s) + MARGIN_S
   with quiet_collectives():
-    jax.distributed.initialize(coordinator_address=cfg.rendezvous, num_processes=cfg.nodes,
+    jax.distributed.initialize(coordinator_address=address, num_processes=cfg.nodes,
                                process_id=cfg.rank, local_device_ids=local_device_ids,
                                initialization_timeout=longer,
                                heartbeat_timeout_seconds=max(100, longer),
                                shutdown_timeout_seconds=max(300, longer))
   wd.disarm()
-  _CURRENT = Rendezvous(cfg, multihost.get_jax_distributed_client(), wd)
+  _CURRENT = Rendezvous(cfg, multihost.get_jax_distributed_client(), wd, relay)
+  # Exit handlers run last-in first: this one before JAX's, whose shutdown barrier lets
+  # node 0 close the coordinator while the others still leave.
+  atexit.register(_CURRENT.finish)
   return _CURRENT
 
 

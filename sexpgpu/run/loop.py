@@ -160,6 +160,8 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
   t_open = time.perf_counter()
   rdv = _before_backend(c, o, nodes_cfg, ordinals, progress.status)
+  if rdv is not None:  # E-DP-007 names it, also when a thread of ours sees a node leave
+    rdv.checkpoint = lambda: progress.last_ckpt
   place = open_devices(o.device, ordinals, nodes_cfg)
   open_s = time.perf_counter() - t_open
   microbatches_divide(k, place.ranks)
@@ -741,9 +743,14 @@ def _quiet(first_cross_node: bool):
 
 def _cause(e: BaseException) -> str:
   """A runtime error's gist: its last `:`-separated part of the first line (gloo's
-  "Read error [127.0.0.1]:23785: Connection reset by peer" → "Connection reset by peer")."""
+  "Read error [127.0.0.1]:23785: Connection reset by peer" → "Connection reset by peer",
+  "[…/pair.cc:547] Connection closed by peer [127.0.0.1]:18819" → "Connection closed by
+  peer [127.0.0.1]:18819")."""
   line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-  return line.rsplit(": ", 1)[-1].strip() or line
+  cause = line.rsplit(": ", 1)[-1].strip() or line
+  if cause.startswith("[") and "] " in cause:  # gloo's "[…/pair.cc:547] " source position
+    cause = cause.split("] ", 1)[1]
+  return cause
 
 
 def _watch(rdv, what: str):
