@@ -169,6 +169,47 @@ def test_a_save_that_cannot_be_written_exits_within_seconds(tmp_path):
   assert "previous: no complete checkpoint is left" in err  # checked: the folder is gone
 
 
+def _can_mount_tmpfs(folder) -> bool:
+  try:
+    r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {folder}"],
+                       capture_output=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return False
+  return r.returncode == 0
+
+
+def test_a_full_disk_names_the_intact_step_and_what_to_free(tmp_path):
+  """The checkpoint folder is a 300 KiB tmpfs: step 4 fits (188 KiB), step 8 does not.
+  E-CKPT-004 says the device is full, names step 4 as checked against its manifest and what
+  to free, without a library's wording; step 4 then resumes exactly."""
+  disk, kept = tmp_path / "disk", tmp_path / "kept"
+  disk.mkdir()
+  if not _can_mount_tmpfs(disk):
+    pytest.skip("no mount namespace for a small tmpfs (needs root and unshare)")
+  cmd = " ".join(f"'{a}'" for a in sexpgpu_cmd("run", EXP, "--checkpoint-dir", str(disk)))
+  script = (f"mount -t tmpfs -o size=300k tmpfs {disk} && {{ {cmd}; echo $? > {tmp_path / 'rc'}; "
+            f"cp -a {disk} {kept}; }}")  # the tmpfs goes with the namespace: keep a copy
+  t = time.monotonic()
+  r = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True,
+                     text=True, timeout=300)
+  err = r.stderr
+  assert (tmp_path / "rc").read_text().strip() == "1", err
+  assert "error[E-CKPT-004]" in err and "the device is full" in err, err
+  assert (f"previous: the last good checkpoint is step 4 at {disk}/faults/4, checked against "
+          "its manifest") in err, err
+  assert f"free space where {disk}/faults lies" in err and "--resume latest" in err
+  assert not any(w in err for w in INTERNALS + ("OCDBT", "ocdbt", "RESOURCE_EXHAUSTED")), err
+  assert time.monotonic() - t < 120
+  # what the message called intact is: a resume from the copy continues as a full run does
+  full = _run("--checkpoint-dir", str(tmp_path / "ck"), "--metrics", f"jsonl:{tmp_path / 'a'}")
+  assert full.returncode == 0, full.stderr
+  again = _run("--checkpoint-dir", str(kept), "--resume", "latest", "--metrics",
+               f"jsonl:{tmp_path / 'b'}")
+  assert again.returncode == 0, again.stderr
+  a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+  assert min(b) == 5 and all(a[s] == b[s] for s in b)
+
+
 # -- a metrics file cut off by a full disk ------------------------------------------------------
 
 

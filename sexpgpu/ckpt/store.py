@@ -91,6 +91,16 @@ def _dir_bytes(path: str) -> int:
   return sum(f[2] for f in remote.local_files(path))
 
 
+def _is_full(error: BaseException) -> bool:
+  """Whether a write failed because the device or the quota is full."""
+  text = f"{type(error).__name__} {error}"
+  if any(w in text for w in ("No space left", "ENOSPC", "Disk quota", "EDQUOT",
+                             "QuotaExceeded")):
+    return True
+  # tensorstore's word for a failed file write; host memory running out says "memory"
+  return "RESOURCE_EXHAUSTED" in text and "memory" not in text.lower()
+
+
 class CheckpointStore:
   """The checkpoints of one run under `<location>/<slug>/<step>/`.
 
@@ -274,19 +284,16 @@ class CheckpointStore:
     return self._last
 
   def _save_error(self, step: int, error: BaseException) -> SxError:
+    if _is_full(error):  # the one cause worth naming plainly: no library's wording
+      return SxError("E-CKPT-004", f"cannot write checkpoint {scrub(self.step_dir(step))}: "
+                     "the device is full (no space left, or the quota is used up)",
+                     where=self.where, notes=[("previous", self.intact(exclude=step))],
+                     fix=f"free space where {scrub(self.run_dir)} lies (step folders older "
+                     "than the intact one named above, other runs' folders), or lower :keep, "
+                     "then resume with --resume latest")
     return SxError("E-CKPT-004", f"cannot write checkpoint {scrub(self.step_dir(step))}: "
                    f"{reason(error)}", where=self.where,
-                   notes=[("previous", self.intact(exclude=step))],
-                   fix=self._write_fix() + self._free_hint(error))
-
-  def _free_hint(self, error: BaseException) -> str:
-    text = f"{type(error).__name__} {error}"
-    if any(w in text for w in ("No space left", "RESOURCE_EXHAUSTED", "ENOSPC", "Disk quota",
-                               "EDQUOT", "QuotaExceeded")):
-      return (f"; the device is full: free space where {scrub(self.run_dir)} lies (older step "
-              "folders other than the intact one named above, other runs' folders), or lower "
-              ":keep, then resume with --resume latest")
-    return ""
+                   notes=[("previous", self.intact(exclude=step))], fix=self._write_fix())
 
   def intact(self, exclude: int | None = None) -> str:
     """The newest checkpoint of this run that still verifies, checked now, as a sentence.
