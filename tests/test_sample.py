@@ -184,6 +184,9 @@ def test_incremental_decode_equals_the_full_forward_and_its_greedy_tokens():
       logits, cache = step(params, toks[:, i:i + 1], cache, jnp.int32(i))
       got.append(np.asarray(logits)[0, 0])
     assert np.abs(np.stack(got) - full[0]).max() < 1e-5, name
+    if name.startswith("llama"):  # grouped-query: the cache keeps the 2 kv heads, not 4
+      assert len(pl.grouped) == 1, name
+      assert {a.shape[-3] for a in jax.tree_util.tree_leaves(cache)} == {2}, name
     host = {k: np.asarray(v) for k, v in params.items()}
     settings = sample.Settings(tokens=w - 3, temperature=0.0)
     fast = sample.generate(c, "lm", host, [1, 2, 3], settings)

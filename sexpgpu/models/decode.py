@@ -58,6 +58,9 @@ class Plan:
   tables: set[int]  # position-table slices read at the offset
   iotas: set[int]  # iota(W) read as the offset
   attention: list[Node]  # sdpa nodes keeping a cache
+  # sdpa uid → (keys, values, n): grouped-query attention whose keys and values are those
+  # nodes' [b kv t dh] with each head repeated n times; the cache keeps the kv heads only
+  grouped: dict[int, tuple[Node, Node, int]] = dataclasses.field(default_factory=dict)
 
 
 def _all(graph: Graph) -> list[Node]:
@@ -86,7 +89,8 @@ def explain(graph: Graph, window: int) -> str:
   except NoRule as e:
     return (f"decode: recompute (the window of {window} positions for every token): "
             f"{e.describe()} has no incremental rule\n{print_graph(graph)}\n")
-  roles = {n.uid: "key/value cache" for n in p.attention}
+  roles = {n.uid: (f"key/value cache of the {p.grouped[n.uid][0].shape[1]} key/value heads"
+                   if n.uid in p.grouped else "key/value cache") for n in p.attention}
   roles.update({u: "row at the offset" for u in p.tables})
   roles.update({u: "the offset" for u in p.iotas})
 
@@ -173,6 +177,9 @@ def _axis(p: Plan, n: Node) -> int | None:
     if not all(_ax(p, t) == 2 for t in (q, k, v)):
       raise NoRule(n, "attends along an axis other than positions")
     p.attention.append(n)
+    kv = [_repeated_heads(t) for t in (k, v)]
+    if kv[0] and kv[1] and kv[0][1] == kv[1][1]:
+      p.grouped[n.uid] = (kv[0][0], kv[1][0], kv[0][1])
     return 2
   if op == "reshape":
     shape_in, shape_out = x.shape, n.shape
@@ -246,6 +253,28 @@ def _axis(p: Plan, n: Node) -> int | None:
   raise NoRule(n, "mixes positions")
 
 
+def _repeated_heads(x: Node) -> tuple[Node, int] | None:
+  """(source [b kv t dh], n) when `x` is the source's heads each repeated n times in a row
+  (`repeat-heads`: reshape(broadcast(expand(source, 2), [b kv n t dh]), [b kv·n t dh]))."""
+  if x.op != "reshape" or not isinstance(x.inputs[0], Node):
+    return None
+  bc = x.inputs[0]
+  if bc.op != "broadcast" or not isinstance(bc.inputs[0], Node):
+    return None
+  ex = bc.inputs[0]
+  if ex.op != "expand" or ex.attr("axis") % len(ex.shape) != 2 or not isinstance(
+      ex.inputs[0], Node):
+    return None
+  src = ex.inputs[0]
+  if len(src.shape) != 4 or len(bc.shape) != 5:
+    return None
+  b, kv, t, dh = src.shape
+  n = bc.shape[2]
+  if tuple(bc.shape) != (b, kv, n, t, dh) or tuple(x.shape) != (b, kv * n, t, dh):
+    return None
+  return src, n
+
+
 # --- evaluation ------------------------------------------------------------------------------
 
 def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset=None):
@@ -298,7 +327,9 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
     args = [env[i.uid] if isinstance(i, Node) else i for i in n.inputs]
     attrs = dict(n.attrs)
     if op == "sdpa":
-      env[n.uid] = _attend(n, args, attrs, ctx, cache, out_cache, offset)
+      group = p.grouped.get(n.uid)
+      sources = (env[group[0].uid], env[group[1].uid], group[2]) if group else None
+      env[n.uid] = _attend(n, args, attrs, ctx, cache, out_cache, offset, sources)
       continue
     if step and n.uid in p.iotas:
       env[n.uid] = offset + jnp.arange(span, dtype=jnp.int32)
@@ -313,25 +344,34 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
     env[n.uid] = lowering(op, ctx.platform)(ctx, *args, **attrs)
 
 
-def _attend(n, args, attrs, ctx, cache, out_cache, offset):
+def _attend(n, args, attrs, ctx, cache, out_cache, offset, grouped=None):
+  """One sdpa region: the whole window (a prefill, its keys and values kept), or positions
+  from `offset` on against the cache. `grouped` (keys, values, n): the kv heads that the
+  region's keys and values repeat n times; the cache keeps those and each group of n query
+  heads attends to its one head, so the cache is n times smaller."""
   q, k, v = args[:3]
+  if grouped is not None:
+    k, v, rep = grouped
   if cache is None:  # prefill: the full window, its keys and values kept
     out_cache[n.uid] = (k, v)
-    return lowering("sdpa", ctx.platform)(ctx, q, k, v, **attrs)
+    return lowering("sdpa", ctx.platform)(ctx, *args, **attrs)
   ck, cv = cache[n.uid]
   ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), offset, axis=2)
   cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), offset, axis=2)
   out_cache[n.uid] = (ck, cv)
   ct = ctx.compute_dtype(q)
-  s = jnp.einsum("...qd,...kd->...qk", q.astype(ct), ck.astype(ct),
+  b, h, span, dh = q.shape
+  groups = ck.shape[1]
+  qg = q.reshape(b, groups, h // groups, span, dh)  # [b kv n s dh]: n query heads a group
+  s = jnp.einsum("bgrqd,bgkd->bgrqk", qg.astype(ct), ck.astype(ct),
                  preferred_element_type=jnp.float32) * attrs["scale"]
   # query i (at offset + i) sees the keys up to its own position
-  keep = jnp.arange(ck.shape[2])[None, :] <= offset + jnp.arange(q.shape[2])[:, None]
+  keep = jnp.arange(ck.shape[2])[None, :] <= offset + jnp.arange(span)[:, None]
   s = jnp.where(keep, s, jnp.array(-jnp.inf, s.dtype))
   probs = jax.nn.softmax(s, axis=-1)
-  out = jnp.einsum("...qk,...kd->...qd", probs.astype(ct), cv.astype(ct),
+  out = jnp.einsum("bgrqk,bgkd->bgrqd", probs.astype(ct), cv.astype(ct),
                    preferred_element_type=jnp.float32)
-  return out.astype(q.dtype)
+  return out.reshape(b, h, span, dh).astype(q.dtype)
 
 
 # A repeat of up to this many layers is unrolled when decoding; a deeper one is scanned.
