@@ -186,3 +186,18 @@ def test_export_of_another_experiments_checkpoint_is_refused(trained, tmp_path, 
   assert main(["export", path, "--set", "width=64", "--resume", step_dir, "-o",
                str(tmp_path / "x.safetensors")]) == 1
   assert "E-CKPT-002" in capsys.readouterr().err
+
+
+def test_export_to_a_place_that_cannot_be_written_is_e_form_001(trained, tmp_path, capsys):
+  path, step_dir = trained
+  (tmp_path / "file").write_text("not a folder")
+  for out, fmt in ((tmp_path / "file" / "m.safetensors", "safetensors"),
+                   (tmp_path / "file" / "hf", "hf")):
+    assert main(["export", path, "--resume", step_dir, "-o", str(out), "--format", fmt]) == 1
+    err = capsys.readouterr().err
+    assert "error[E-FORM-001]: cannot write" in err and "--> -o" in err, err
+    assert "Traceback" not in err
+  assert main(["export", path, "--resume", step_dir, "-o", str(tmp_path / "hf"), "--format",
+               "hf", "--tokenizer", str(tmp_path / "none.json")]) == 1
+  assert "no tokenizer file" in capsys.readouterr().err
+  assert not (tmp_path / "hf").exists()  # refused before anything is written

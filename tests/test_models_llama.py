@@ -242,3 +242,16 @@ def test_packed_documents_each_see_only_themselves(tmp_path):
   row, seg, start, n, _ = docs[1]
   one = np.where(s > 0, 1, 0).astype(np.int32)
   assert abs(float(loss(params, t, one, p, _only(s, row, seg))) - alone(row, start, n)) > 1e-4
+
+
+def test_a_gpt2_folder_imported_into_a_llama_says_so_in_one_line(tmp_path, capsys):
+  from transformers import FlaxGPT2LMHeadModel, GPT2Config
+  hf = str(tmp_path / "gpt2")
+  FlaxGPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=48, n_embd=32, n_layer=2,
+                                 n_head=4)).save_pretrained(hf, safe_serialization=True)
+  path = _write(str(tmp_path))
+  assert main(["import", hf, "-o", str(tmp_path / "ck"), path]) == 1
+  err = capsys.readouterr().err
+  assert ("E-INIT-001" in err and "a gpt2 folder (config.json model_type 'gpt2'), and this "
+          "experiment's model is a llama" in err), err
+  assert "hidden_size" not in err and "Traceback" not in err

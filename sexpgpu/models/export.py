@@ -50,23 +50,33 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
   Raises:
     SxError: E-EXPORT-001 when `fmt` is hf and the model is neither a gpt2 nor a llama.
   """
-  if fmt == "safetensors":
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    _save(params, out, _metadata(c, meta))
-    return [out]
-  g = twin.find(c.params, c.stages[0].graph, "--format hf")
-  tensors = twin.to_twin(g, params)
-  os.makedirs(out, exist_ok=True)
-  config = dict(g.config)
-  config["sexpgpu"] = {k: v for k, v in _metadata(c, meta).items() if k != "format"}
-  written = [os.path.join(out, "config.json"), os.path.join(out, "model.safetensors")]
-  with open(written[0], "w") as f:
-    json.dump(config, f, indent=2, sort_keys=True)
-  _save(tensors, written[1], {"format": "pt"})
-  if tokenizer:
-    written.append(os.path.join(out, "tokenizer.json"))
-    shutil.copyfile(tokenizer, written[-1])
-  return written
+  if tokenizer and not os.path.isfile(tokenizer):
+    raise SxError("E-FORM-001", f"no tokenizer file {tokenizer}", where="--tokenizer",
+                  fix="give --tokenizer a tokenizer.json (sexpgpu tokenize writes one)")
+  try:
+    if fmt == "safetensors":
+      os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+      _save(params, out, _metadata(c, meta))
+      return [out]
+    g = twin.find(c.params, c.stages[0].graph, "--format hf")
+    tensors = twin.to_twin(g, params)
+    os.makedirs(out, exist_ok=True)
+    config = dict(g.config)
+    config["sexpgpu"] = {k: v for k, v in _metadata(c, meta).items() if k != "format"}
+    written = [os.path.join(out, "config.json"), os.path.join(out, "model.safetensors")]
+    with open(written[0], "w") as f:
+      json.dump(config, f, indent=2, sort_keys=True)
+    _save(tensors, written[1], {"format": "pt"})
+    if tokenizer:
+      written.append(os.path.join(out, "tokenizer.json"))
+      shutil.copyfile(tokenizer, written[-1])
+    return written
+  except SxError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # OSError, safetensors' own error
+    why = " ".join(str(e).split()) or type(e).__name__
+    raise SxError("E-FORM-001", f"cannot write {out}: {why}", where="-o",
+                  fix="give -o a path in a folder you can write to") from e
 
 
 def import_twin(c, folder: str, out: str) -> str:
@@ -86,9 +96,7 @@ def import_twin(c, folder: str, out: str) -> str:
   """
   g = twin.find(c.params, c.stages[0].graph, "sexpgpu import")
   tensors, config = source.read_twin_folder(folder, folder)
-  problems = twin.config_problems(g, config)
-  params, more = twin.from_twin(g, tensors, folder, config)
-  problems += more
+  params, problems = twin.from_folder(g, tensors, config, folder)
   if problems:
     raise SxError("E-INIT-001", f"{folder} does not fit {c.program.path}: "
                   + "; ".join(problems), where=folder,

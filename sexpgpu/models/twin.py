@@ -268,6 +268,19 @@ def config_problems(twin: Twin, config: dict) -> list[str]:
   return KINDS[twin.kind][2](twin, config)
 
 
+def from_folder(twin: Twin, tensors: dict[str, np.ndarray], config: dict,
+                where: str) -> tuple[dict, list[str]]:
+  """The `.sx` parameters from a twin's folder (its tensors and config.json), and every
+  problem: the config's differences, then the tensors'; a folder of another model type is
+  that one problem."""
+  theirs = config.get("model_type")
+  if theirs != twin.config["model_type"]:
+    return {}, [f"a {theirs} folder (config.json model_type {theirs!r}), and this "
+                f"experiment's model is a {twin.kind}"]
+  params, problems = from_twin(twin, tensors, where, config)
+  return params, config_problems(twin, config) + problems
+
+
 def _differ(theirs: dict, ours: dict, keys) -> list[str]:
   return [f"config.json {k} {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys
           if theirs.get(k) != ours[k]]

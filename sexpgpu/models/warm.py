@@ -46,8 +46,7 @@ def load(c, value: str) -> tuple[dict[str, np.ndarray], str]:
     folder = _local(value[3:], c)
     tensors, config = source.read_twin_folder(folder, where)
     g = twin.find(c.params, c.stages[0].graph, ":init-from hf:")
-    params, problems = twin.from_twin(g, tensors, folder, config)
-    problems = twin.config_problems(g, config) + problems
+    params, problems = twin.from_folder(g, tensors, config, folder)
     if problems:
       raise SxError("E-INIT-001", f"{value} does not fit this {g.kind}: "
                     + "; ".join(problems), where=where, fix=FIX)
