@@ -51,9 +51,18 @@ def build(step_dir: str, step: int) -> dict:
     {"format", "step", "files": {relative path: {"bytes", "sha256"}}, "digest"}, the
     digest being the SHA-256 of the rest, so a changed manifest is told from a changed file.
   """
-  files = {rel: {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-           for path, rel in _files(step_dir)}
-  body = {"format": FORMAT, "step": int(step), "files": files}
+  return compose(step, entries(step_dir))
+
+
+def entries(folder: str) -> dict:
+  """{relative path: {"bytes", "sha256"}} of every listed file under a local folder."""
+  return {rel: {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+          for path, rel in _files(folder)}
+
+
+def compose(step: int, files: dict) -> dict:
+  """The manifest of a step whose files' entries are known (several processes' parts)."""
+  body = {"format": FORMAT, "step": int(step), "files": dict(sorted(files.items()))}
   return dict(body, digest=_digest(body))
 
 

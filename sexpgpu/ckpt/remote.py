@@ -32,24 +32,37 @@ def upload(fs, local_step: str, remote_step: str, step: int) -> int:
   Returns:
     The bytes uploaded.
   """
+  retried(f"removing a leftover of {remote_step}", remove, fs, remote_step, describe=reason)
+  files = put(fs, local_step, remote_step)
+  total = sum(f[2] for f in files)
+  commit(fs, remote_step, step, total, [f[1] for f in files])
+  return total
+
+
+def put(fs, local_dir: str, remote_step: str) -> list[tuple[str, str, int]]:
+  """Uploads every file of a local folder into a remote step folder, with retries.
+
+  orbax's own top-level marker and the manifest go after the data, so no partial copy
+  has them. Returns the files as `local_files` lists them.
+  """
   key = strip_scheme(remote_step)
-  where = remote_step
-  retried(f"removing a leftover of {where}", remove, fs, remote_step, describe=reason)
-  files = local_files(local_step)
-  # orbax's own top-level marker and the manifest go after the data, so no partial copy
-  # has them; the COMMIT marker goes last of all.
+  files = local_files(local_dir)
   last = (LOCAL_DONE, MANIFEST)
   data = [f for f in files if f[1] not in last]
   ends = sorted((f for f in files if f[1] in last), key=lambda f: last.index(f[1]))
   for batch in [data] + [[f] for f in ends]:
     if batch:
-      retried(f"upload of {where}", fs.put, [f[0] for f in batch],
+      retried(f"upload of {remote_step}", fs.put, [f[0] for f in batch],
               [f"{key}/{f[1]}" for f in batch], describe=reason)
-  total = sum(f[2] for f in files)
-  marker = {"step": step, "bytes": total, "files": [f[1] for f in files]}
-  retried(f"commit marker of {where}", fs.pipe_file, f"{key}/{COMMIT}",
-          json.dumps(marker).encode(), describe=reason)
-  return total
+  return files
+
+
+def commit(fs, remote_step: str, step: int, total: int, names: list[str]) -> None:
+  """Writes a remote step's COMMIT marker, last of all: from here on the step counts."""
+  marker = {"step": step, "bytes": total, "files": sorted(names)}
+  retried(f"commit marker of {remote_step}", fs.pipe_file,
+          f"{strip_scheme(remote_step)}/{COMMIT}", json.dumps(marker).encode(),
+          describe=reason)
 
 
 def remove(fs, remote_step: str) -> None:

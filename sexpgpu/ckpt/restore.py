@@ -13,7 +13,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from sexpgpu.ckpt import manifest, orbax_io, remote
+from sexpgpu.ckpt import manifest, orbax_io, remote, shards
 from sexpgpu.ckpt.store import latest_step_dir, local_steps
 from sexpgpu.ckpt.where import LOCAL_DONE, is_remote, join, reason, remote_fs, scrub
 from sexpgpu.errors import SxError
@@ -160,7 +160,13 @@ def read_meta(step_dir: str) -> dict:
   Raises:
     SxError: E-CKPT-003 when missing, incomplete or unreadable.
   """
-  return _read(step_dir, orbax_io.restore_meta, only="meta")
+  return _read(step_dir, _meta_of, only="meta")
+
+
+def _meta_of(local_dir: str) -> dict:
+  """The meta JSON of a local step folder (orbax's JsonSave wrote it as plain JSON)."""
+  with open(os.path.join(local_dir, *orbax_io.META_FILE.split("/"))) as f:
+    return json.load(f)
 
 
 def peek_meta(step_dir: str) -> dict | None:
@@ -178,7 +184,8 @@ def peek_meta(step_dir: str) -> dict | None:
     return None
 
 
-def restore_checkpoint(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
+def restore_checkpoint(step_dir: str, abstract_state: Any,
+                       placed: Any = None) -> tuple[Any, dict]:
   """Restores (state, meta) from a complete step folder.
 
   Args:
@@ -187,6 +194,9 @@ def restore_checkpoint(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
       the saved state; the result has its pytree types (optax NamedTuples).
       Leaves come back as jax arrays where jax arrays were saved, numpy
       arrays otherwise (Python scalars come back as 0-d numpy arrays).
+    placed: abstract_state with the shardings the run keeps it in: a state
+      that every process wrote for its own shards (ckpt/shards.py) is read
+      straight into them, each process reading only its devices' slices.
 
   Returns:
     (state, meta).
@@ -195,7 +205,15 @@ def restore_checkpoint(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
     SxError: E-CKPT-003 when missing, incomplete, unreadable, or when its
       structure, shapes or dtypes differ from abstract_state.
   """
-  state, meta = _read(step_dir, lambda d: orbax_io.restore(d, abstract_state))
+  def reader(local_dir: str):
+    if shards.is_sharded(local_dir):
+      try:
+        state = shards.read(local_dir, placed if placed is not None else abstract_state)
+      except shards.LayoutError as e:
+        raise _unreadable(step_dir, str(e)) from e
+      return state, _meta_of(local_dir)
+    return orbax_io.restore(local_dir, abstract_state)
+  state, meta = _read(step_dir, reader)
   _check_like(step_dir, state, abstract_state)
   return state, meta
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -12,14 +13,17 @@ import time
 import uuid
 from typing import Any
 
-from sexpgpu.ckpt import lock, manifest, orbax_io, remote
+from sexpgpu.ckpt import lock, manifest, orbax_io, remote, shards
 from sexpgpu.ckpt.where import (LOCAL_DONE, is_remote, join, reason, remote_fs, scrub,
                                 strip_scheme)
 from sexpgpu.errors import SxError
+from sexpgpu.retrying import call as retried
 
 
 # A remote run stages each save in a local folder named for its process, then uploads it.
 STAGING_PREFIX = "sexpgpu-ckpt-staging-"
+# A sharded save's folder while its processes write into it (renamed to the step when done)
+PARTIAL = ".partial"
 
 
 def _remove_stale_staging() -> None:
@@ -99,6 +103,22 @@ def _is_full(error: BaseException) -> bool:
     return True
   # tensorstore's word for a failed file write; host memory running out says "memory"
   return "RESOURCE_EXHAUSTED" in text and "memory" not in text.lower()
+
+
+def _retain_local(run_dir: str, keep: int) -> None:
+  """Deletes all but the `keep` newest complete steps of a local run folder, and the
+  partial folders of sharded saves older than the newest (a killed run's)."""
+  done = local_steps(run_dir)
+  for step in done[:-keep] if keep > 0 else []:
+    shutil.rmtree(os.path.join(run_dir, str(step)), ignore_errors=True)
+  try:
+    names = os.listdir(run_dir)
+  except OSError:
+    return
+  for name in names:
+    head = name[:-len(PARTIAL)] if name.endswith(PARTIAL) else ""
+    if head.isdigit() and done and int(head) < done[-1]:
+      shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
 class CheckpointStore:
@@ -220,12 +240,119 @@ class CheckpointStore:
     if wait:
       self.wait()
 
+  def save_sharded(self, step: int, state: Any, meta: dict, nodes) -> None:
+    """Saves a state sharded over several processes: each writes only the shards it holds.
+
+    Every process calls this at the same step. Into a folder every node sees, the
+    processes write into `<step>.partial`, which node 0 renames into place once all
+    have written. On `s3://` and `gs://`, each process stages its shards locally and
+    uploads them; node 0 writes the manifest and then the COMMIT marker only after
+    every process has reported its files through the coordinator's key-value store,
+    so a process lost mid-upload leaves a step without COMMIT, which never counts.
+    Blocks until the step is complete on every node.
+
+    Args:
+      step: the training step.
+      state: a pytree of jax.Arrays sharded over the processes' devices.
+      meta: the JSON-able meta (node 0 writes it).
+      nodes: the run's Rendezvous (`exchange`, `cfg.rank`).
+
+    Raises:
+      SxError: E-CKPT-004 on every node when any node's part cannot be written.
+    """
+    self.wait()
+    step, started, node = int(step), time.monotonic(), nodes.cfg.rank
+    if self.remote:
+      folder = os.path.join(self._staging_dir(), str(step))
+    else:
+      folder = os.path.join(self.run_dir, str(step)) + PARTIAL
+
+    def prepare():
+      if self.remote:
+        shutil.rmtree(folder, ignore_errors=True)
+      if node == 0:
+        if self.remote:
+          remote.remove(self._fs, self.step_dir(step))
+        else:
+          shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(os.path.join(folder, "state"))
+        os.makedirs(os.path.join(folder, os.path.dirname(orbax_io.META_FILE)))
+        with open(os.path.join(folder, orbax_io.META_FILE), "w") as f:
+          json.dump(meta, f)
+        shards.create(folder, state)
+
+    def write():
+      shards.write_mine(folder, state)
+      if not self.remote:
+        return {}
+      files = manifest.entries(folder)
+      remote.put(self._fs, folder, self.step_dir(step))
+      return files
+
+    self._together(nodes, step, "prepared", prepare)
+    parts = self._together(nodes, step, "written", write)
+
+    def commit():
+      if node != 0:
+        return {}
+      final = os.path.join(self.run_dir, str(step))
+      if self.remote:
+        files = {rel: e for part in parts.values() for rel, e in part.items()}
+        key = strip_scheme(self.step_dir(step))
+        retried(f"manifest of {self.step_dir(step)}", self._fs.pipe_file,
+                f"{key}/{manifest.MANIFEST}",
+                json.dumps(manifest.compose(step, files), indent=1).encode(), describe=reason)
+        size = sum(e["bytes"] for e in files.values())
+        remote.commit(self._fs, self.step_dir(step), step, size,
+                      list(files) + [manifest.MANIFEST])
+        remote.retain(self._fs, self.run_dir, self.keep)
+      else:
+        with open(os.path.join(folder, LOCAL_DONE), "w") as f:
+          f.write("sexpgpu: every process wrote its shards")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(folder, final)
+        manifest.write(final, step)  # the step counts from here on
+        size = _dir_bytes(final)
+        _retain_local(self.run_dir, self.keep)
+      self._last = CheckpointInfo(step, self.step_dir(step), size, time.monotonic() - started)
+      return {}
+
+    self._together(nodes, step, "committed", commit)
+    if self.remote:
+      shutil.rmtree(folder, ignore_errors=True)
+
+  def _together(self, nodes, step: int, phase: str, work) -> dict[int, Any]:
+    """Runs one phase of a sharded save on every node; any node's failure fails all.
+
+    Returns:
+      On node 0, every node's result of `work`; on the others, their own.
+    """
+    try:
+      value = {"result": work(), "error": None}
+    except Exception as e:  # pylint: disable=broad-except
+      err = self._save_error(step, e)
+      value = {"result": None, "error": {"code": err.code, "message": err.message,
+                                         "where": err.where, "fix": err.fix}}
+
+    def judge(mine, values):
+      for n, v in sorted(values.items()):
+        if v["error"] is not None:
+          return dict(v["error"], message=f"node {n}: {v['error']['message']}")
+      return None
+
+    values = nodes.exchange(f"ckpt-{step}-{phase}", value, judge)
+    return {n: v["result"] for n, v in values.items()}
+
+  def _staging_dir(self) -> str:
+    if self._staging is None:
+      _remove_stale_staging()
+      self._staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
+    return self._staging
+
   def _get_manager(self):
     if self._manager is None:
       if self.remote:
-        _remove_stale_staging()
-        self._staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-")
-        root, keep = os.path.join(self._staging, self.slug), None
+        root, keep = os.path.join(self._staging_dir(), self.slug), None
       else:
         self.check_writable()  # a clean E-CKPT-004 before orbax tries
         root, keep = self.run_dir, self.keep

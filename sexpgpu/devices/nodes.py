@@ -46,7 +46,8 @@ LEFT_GRACE_S = 10
 # What every node publishes at the rendezvous, and how the error names it.
 COMPARED = (("nodes", "node count"), ("gpus", "GPU count"), ("fingerprint", "experiment"),
             ("gradients", "gradient dtype"), ("resume", "resume checkpoint"))
-_GLOO = re.compile(rb"^\[Gloo\]")
+# gloo's announcement; two local devices' threads may interleave theirs mid-line
+_GLOO = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks")
 _ORIGINAL_STDERR: int | None = None
 _CURRENT: "Rendezvous | None" = None
 
@@ -523,6 +524,6 @@ def quiet_collectives() -> Iterator[None]:
         os.dup2(real, fd)
         os.close(real)
         tmp.seek(0)
-        kept = [ln for ln in tmp.read().splitlines(keepends=True) if not _GLOO.match(ln)]
+        kept = [ln for ln in tmp.read().splitlines(keepends=True) if not _GLOO.search(ln)]
         if kept:
           os.write(fd, b"".join(kept))

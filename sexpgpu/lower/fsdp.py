@@ -67,6 +67,10 @@ class ShardedTrainStep(TrainStep):
       raise ValueError("a sharded step needs a mesh of several devices")
     self.over = shard_axes(self.mesh, self.sharding)
     self.n = int(np.prod([self.mesh.shape[a] for a in self.over]))
+    self.gpus = self.ranks // self.nodes
+    # bf16 sums between nodes: each node's f32 sum plus its carried rounding error, sent
+    # as bf16 in the reduce-scatter (fsdp) or all-reduce (hsdp) over the node axis
+    self.carried = self.node_gradients == "bf16" and self.nodes > 1
     self._fused = jax.jit(self._sharded_full, donate_argnums=(0,))
     self._update = jax.jit(self._sharded_update, donate_argnums=(0,))
     self._grads = jax.jit(self._sharded_chunk, donate_argnums=(4, 5))
@@ -77,6 +81,20 @@ class ShardedTrainStep(TrainStep):
   def param_spec(self, path: str, shape: tuple[int, ...]) -> P:
     """A parameter's PartitionSpec."""
     return spec_for(shape, self.n, self.over, self.stacks.get(path, 0))
+
+  def carry_spec(self, path: str, shape: tuple[int, ...]) -> P:
+    """A node sum's or carry's PartitionSpec ([nodes, *shape]): one row a node, the row
+    split over that node's devices."""
+    inner = tuple(spec_for(shape, self.gpus, ("gpu",), self.stacks.get(path, 0)))
+    return P("node", *(inner + (None,) * (len(shape) - len(inner))))
+
+  def _carry_shardings(self, params: dict) -> dict:
+    return {path: NamedSharding(self.mesh, self.carry_spec(path, tuple(p.shape)))
+            for path, p in params.items()}
+
+  def _sums_shardings(self, params: dict) -> dict:
+    """Where the step's gradient sums live: by node when carried, else as the parameters."""
+    return self._carry_shardings(params) if self.carried else self._param_shardings(params)
 
   def state_shardings(self, state: dict) -> dict:
     """NamedShardings for a train state: parameters by their spec, optimizer leaves shaped
@@ -94,7 +112,8 @@ class ShardedTrainStep(TrainStep):
         out[k] = {path: NamedSharding(self.mesh, self.param_spec(path, tuple(p.shape)))
                   for path, p in v.items()}
       elif k == "carry":
-        out[k] = jax.tree_util.tree_map(lambda x: NamedSharding(self.mesh, P(self.axes)), v)
+        out[k] = {path: NamedSharding(self.mesh, self.carry_spec(path, tuple(x.shape[1:])))
+                  for path, x in v.items()}
       else:
         out[k] = jax.tree_util.tree_map(leaf, v)
     return out
@@ -128,13 +147,28 @@ class ShardedTrainStep(TrainStep):
       return loss, grads, tapped
 
     loss, grads, tapped = jax.vmap(rank)(batches, jnp.arange(self.ranks))
-    grads = self._constrain(jax.tree_util.tree_map(lambda g: jnp.sum(g, 0), grads),
-                            self._param_shardings(params))
+    if self.carried:  # each node's sum, kept apart until the update sends it in bf16
+      by_node = lambda g: jnp.sum(g.reshape((self.nodes, self.gpus) + g.shape[1:]), 1)
+      grads = self._constrain(jax.tree_util.tree_map(by_node, grads),
+                              self._carry_shardings(params))
+    else:
+      grads = self._constrain(jax.tree_util.tree_map(lambda g: jnp.sum(g, 0), grads),
+                              self._param_shardings(params))
     tapped = {n: v.reshape(-1) for n, v in tapped.items()}
     return jnp.sum(loss), grads, tapped
 
   def _finish(self, state, loss, grads, tapped, stop):
+    carry = None
+    if self.carried:
+      fed = jax.tree_util.tree_map(jnp.add, grads, state["carry"])
+      sent = jax.tree_util.tree_map(lambda e: e.astype(jnp.bfloat16), fed)
+      carry = jax.tree_util.tree_map(lambda e, q: e - q.astype(jnp.float32), fed, sent)
+      grads = self._constrain(
+          jax.tree_util.tree_map(lambda q: jnp.sum(q, 0, dtype=jnp.bfloat16).astype(
+              jnp.float32), sent), self._param_shardings(state["params"]))
     new_state, metrics = self._apply(state, loss, grads, tapped)
+    if carry is not None:
+      new_state["carry"] = carry
     new_state = self._constrain(new_state, self.state_shardings(state))
     flag = jnp.max(stop).astype(jnp.float32)  # any rank's stop flag stops every rank
     return new_state, jnp.concatenate([metrics, flag[None]])
@@ -152,11 +186,18 @@ class ShardedTrainStep(TrainStep):
     return acc_loss + loss, jax.tree_util.tree_map(jnp.add, acc_grads, grads), tapped
 
   def _sharded_zeros(self, params):
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    return jnp.float32(0.0), self._constrain(zeros, self._param_shardings(params))
+    lead = (self.nodes,) if self.carried else ()
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params)
+    return jnp.float32(0.0), self._constrain(zeros, self._sums_shardings(params))
 
   def _sharded_update(self, state, loss, grads, tapped, stop):
     return self._finish(state, loss, grads, tapped, stop)
+
+  def _abstract_sums(self, params: dict) -> dict:
+    lead = (self.nodes,) if self.carried else ()
+    shardings = self._sums_shardings(params)
+    return {k: jax.ShapeDtypeStruct(lead + tuple(p.shape), jnp.float32, sharding=shardings[k])
+            for k, p in params.items()}
 
   # --- ahead of time -----------------------------------------------------------------------
   def executables(self, state, batches) -> dict:
@@ -168,8 +209,7 @@ class ShardedTrainStep(TrainStep):
     params = state["params"]
     rep = NamedSharding(self.mesh, P())
     loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-    sums = {k: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding)
-            for k, p in params.items()}
+    sums = self._abstract_sums(params)
     tapped = {d.name: jax.ShapeDtypeStruct((self.microbatches,), jnp.float32, sharding=rep)
               for d in self.diags if d.kind == "tap"}
     update = self._update.lower(state, loss, sums, tapped, self._stop_abstract()).compile()
@@ -183,8 +223,7 @@ class ShardedTrainStep(TrainStep):
       return self._fused.lower(state, batches, self._stop_abstract())
     rep = NamedSharding(self.mesh, P())
     loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-    sums = {k: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding)
-            for k, p in state["params"].items()}
+    sums = self._abstract_sums(state["params"])
     return self._grads.lower(state["params"], batches, state["step"], jnp.int32(0), loss, sums)
 
 

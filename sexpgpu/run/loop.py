@@ -187,11 +187,6 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
                            "fingerprint": c.fingerprint, "gradients": node_gradients,
                            "resume": resume_dir or "-"}, rdv)
   training = build(c, place, node_gradients)
-  if training.sharding != "replicate" and place.multiprocess:
-    raise SxError("E-RUN-002", f":sharding {training.sharding} over several nodes is not built "
-                  "yet: each process would have to write its own shards of a checkpoint",
-                  where=f"--set sharding={training.sharding}",
-                  fix="use :sharding replicate across nodes, or fsdp on the devices of one node")
   from sexpgpu.lower.flops import device_peak, train_flops
   progress.flops = [train_flops(s.graph, training.k) for s in c.stages]
   progress.peak = device_peak(place.first, training.precision)
@@ -238,7 +233,9 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
   # --- initialize or restore ----------------------------------------------------------------
   if resume_dir is not None:
     state, meta, secs = saving.restore(resume_dir, state, place,
-                                       lambda s: training.place_state(s, progress.stage))
+                                       lambda s: training.place_state(s, progress.stage),
+                                       training.place_abstract(state, progress.stage),
+                                       training.sharding != "replicate")
     start = int(meta["step"])
     progress.stage = int(meta["stage"])
     progress.base["stage"] = progress.stage
@@ -283,7 +280,10 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
     meta_ = saving.meta(c, progress, step, place, training.node_gradients, stacking,
                         loader_states, training.sharding)
     if multi:
-      saving.save_nodes(store, state, meta_, step, place, rdv)
+      if training.sharding == "replicate":
+        saving.save_nodes(store, state, meta_, step, place, rdv)
+      else:
+        saving.save_sharded_nodes(store, state, meta_, step, rdv)
       _emit_saved(store, progress, metrics)
       if place.node != 0:  # node 0 wrote it, and every node waited until it was committed
         progress.last_ckpt = store.step_dir(step)
@@ -316,7 +316,8 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
     pending = None
     return stop
 
-  passes(start, start == steps)
+  with _quiet(multi and training.sharding != "replicate"):  # a pass gathers sharded params
+    passes(start, start == steps)
   progress.set_status("running", step)
   try:
     while step < steps:
@@ -656,6 +657,12 @@ def _before_backend(c, o, nodes_cfg, ordinals, status):
   if o.device == "cpu":
     from sexpgpu.run.devices import cpu_flags
     cpu_flags()
+    if ordinals:  # SEXPGPU_DEVICES=0,1 gives each node that many host devices
+      import jax
+      from sexpgpu.devices.env import check_visible, cpu_visible
+      check_visible(ordinals, cpu_visible(), "cpu")
+      if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", max(ordinals) + 1)
   return nodes.initialize(nodes_cfg, rendezvous_timeout(), on_timeout, ordinals)
 
 

@@ -79,7 +79,8 @@ def check_same(c, place, meta_: dict, step_dir: str) -> None:
                 "without --resume")
 
 
-def restore(step_dir: str, abstract_state: dict, place, put=None) -> tuple[dict, dict, float]:
+def restore(step_dir: str, abstract_state: dict, place, put=None,
+            placed: dict | None = None, sharded: bool = False) -> tuple[dict, dict, float]:
   """The state and meta of a checkpoint, placed on the run's devices.
 
   Args:
@@ -87,21 +88,56 @@ def restore(step_dir: str, abstract_state: dict, place, put=None) -> tuple[dict,
     abstract_state: the state's ShapeDtypeStructs.
     place: the run's Placement.
     put: puts the restored state where the run keeps it (default: replicated).
+    placed: abstract_state with the run's shardings: a checkpoint whose processes each
+      wrote their shards is read straight into them.
+    sharded: whether the run shards its state (`put` then places the carries too).
 
   Returns:
     (state, meta, seconds it took).
   """
-  from sexpgpu.ckpt import restore_checkpoint
+  from sexpgpu.ckpt import read_meta, restore_checkpoint
   t = time.perf_counter()
-  state, meta_ = restore_checkpoint(step_dir, abstract_state)
+  here = abstract_state.get("carry")
+  rows = None
+  if here is not None:  # the bf16 carries: one row a device replicated, a node sharded
+    there = read_meta(step_dir)
+    rows = (there.get("ranks", 1) if there.get("sharding", "replicate") == "replicate"
+            else there.get("nodes", 1))
+    if rows != _rows(here):  # written under another :sharding: read as it was saved
+      saved = jax.tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype), here)
+      abstract_state = dict(abstract_state, carry=saved)
+      if placed is not None:
+        placed = dict(placed, carry=saved)
+  state, meta_ = restore_checkpoint(step_dir, abstract_state, placed)
   carry = state.pop("carry", None)
-  state = (put or place.replicate)(state)
-  if carry is not None:  # each node takes its own devices' carries
+  if carry is not None and rows != _rows(here):
+    carry = _carry_rows(carry, _rows(here), place)
+  if carry is not None and sharded:  # placed as the run keeps it, or read straight into it
+    state = (put or place.replicate)(dict(state, carry=carry))
+  else:
+    state = (put or place.replicate)(state)
+  if carry is not None and not sharded:  # each node takes its own devices' carries
     share = place.local_share(place.ranks)
     state["carry"] = jax.tree_util.tree_map(
         lambda x: jax.make_array_from_process_local_data(
             place._shard, np.asarray(x)[share.start:share.stop], x.shape), carry)
   return state, meta_, time.perf_counter() - t
+
+
+def _rows(carry) -> int:
+  return int(jax.tree_util.tree_leaves(carry)[0].shape[0])
+
+
+def _carry_rows(carry, rows: int, place):
+  """Carries saved under another :sharding, as this run keeps them: a node's devices all
+  carry that node's one rounding error, so a device's row is its node's and back."""
+  gpus = place.ranks // place.nodes
+
+  def one(x):
+    x = place.host(x) if isinstance(x, jax.Array) else np.asarray(x)
+    return x[::gpus] if rows == place.nodes else np.repeat(x, gpus, axis=0)
+  return jax.tree_util.tree_map(one, carry)
 
 
 def host_state(state: dict, place) -> dict:
@@ -124,4 +160,15 @@ def save_nodes(store, state: dict, meta_: dict, step: int, place, rdv) -> None:
   agree_at_checkpoint(step, params_hash({"params": host["params"], "opt": host["opt"]}), rdv)
   if place.node == 0:
     store.save(step, host, meta_, wait=True)
+  rdv.barrier(f"saved-{step}")
+
+
+def save_sharded_nodes(store, state: dict, meta_: dict, step: int, rdv) -> None:
+  """Every node writes the shards it holds (fsdp, hsdp over nodes); none gathers the state.
+
+  The ranks cannot disagree on a copy that none of them holds twice, so E-DP-004's check
+  of the replicated path has nothing to compare here (hsdp's copies over nodes are
+  written once, by one holder each).
+  """
+  store.save_sharded(step, state, meta_, rdv)
   rdv.barrier(f"saved-{step}")

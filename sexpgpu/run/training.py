@@ -82,7 +82,16 @@ class Training:
     if self.sharding == "replicate":
       return self.place.replicate(state)
     step = self.step(stage, self.k // self.ranks)
-    return jax.device_put(state, step.state_shardings(state))
+    shardings = step.state_shardings(state)
+    if not self.place.multiprocess:
+      return jax.device_put(state, shardings)
+
+    def put(x, sharding):  # every process holds the same host values: each takes its part
+      if getattr(x, "sharding", None) == sharding:
+        return x
+      host = self.place.host(x) if isinstance(x, jax.Array) else np.asarray(x)
+      return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return jax.tree_util.tree_map(put, state, shardings)
 
   def place_abstract(self, state: dict, stage: int = 0) -> dict:
     """Abstract state carrying the shardings the run's state will have."""
@@ -112,9 +121,11 @@ class Training:
     """The train state as ShapeDtypeStructs: nothing is initialized or allocated."""
     opt, _ = self.optimizer(stage)
     state = jax.eval_shape(lambda: init_state(init_params(self.seed, self.c.params), opt))
-    if self.carried:  # one rounding-error carry per device for the bf16 sum between nodes
+    if self.carried:  # rounding-error carries for the bf16 sum between nodes: one per
+      # device replicated, one per node sharded (split over the node's devices)
+      rows = self.ranks if self.sharding == "replicate" else self.place.nodes
       state["carry"] = jax.tree_util.tree_map(
-          lambda p: jax.ShapeDtypeStruct((self.ranks,) + p.shape, jnp.float32), state["params"])
+          lambda p: jax.ShapeDtypeStruct((rows,) + p.shape, jnp.float32), state["params"])
     return state
 
   def init_state(self, stage: int = 0) -> dict:
@@ -122,13 +133,17 @@ class Training:
     opt, _ = self.optimizer(stage)
     place = self.place
     if self.sharding != "replicate":  # each device initializes only its shards
-      shardings = self.step(stage, self.k // self.ranks).state_shardings(
-          {k: v for k, v in self.abstract_state(stage).items() if k != "carry"})
-      state = jax.jit(lambda: init_state(init_params(self.seed, self.c.params), opt),
-                      out_shardings=shardings)()
-    else:
-      with jax.default_device(place.first):
-        state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
+      abstract = self.abstract_state(stage)
+      shardings = self.step(stage, self.k // self.ranks).state_shardings(abstract)
+
+      def init():
+        state = init_state(init_params(self.seed, self.c.params), opt)
+        if "carry" in abstract:
+          state["carry"] = {k: jnp.zeros(v.shape, v.dtype) for k, v in abstract["carry"].items()}
+        return state
+      return jax.jit(init, out_shardings=shardings)()
+    with jax.default_device(place.first):
+      state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
     if self.carried:
       n = len(place.local_devices)
       state["carry"] = {k: place.shard(np.zeros((n,) + v.shape, np.float32), self.ranks)

@@ -1,0 +1,237 @@
+"""`:sharding fsdp|hsdp` over two nodes of two host devices each, rehearsed on the CPU (gloo):
+training, a stop on SIGTERM to one node, each process writing only its own shards of a
+checkpoint (a local folder, a moto S3 server), and bitwise resumes."""
+
+import json
+import os
+import posixpath
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, sexpgpu_cmd
+from faultproxy import OutageProxy
+from s3server import free_port, moto_with_bucket, s3_env
+
+TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+
+
+def _args(sharding, steps=8):
+  return ("--variant", "smoke", "--steps", str(steps), "--eval-every", "0", "--set",
+          "microbatches=4", "--set", f"sharding={sharding}", "--set", "checkpoint-every=4")
+
+
+def _start(tmp, rank, port, args, name, extra=None):
+  env = dict(os.environ)
+  env.pop("SEXPGPU_STACKING", None)
+  env.update({"SEXPGPU_DEVICES": "0,1", "SEXPGPU_NODES": "2", "SEXPGPU_NODE_RANK": str(rank),
+              "SEXPGPU_RENDEZVOUS": f"127.0.0.1:{port}", "SEXPGPU_CPU_COLLECTIVES": "gloo",
+              "SEXPGPU_RENDEZVOUS_TIMEOUT": "30"})
+  env.update(extra or {})
+  return subprocess.Popen(
+      sexpgpu_cmd("run", TINY, *args, "--metrics", f"jsonl:{tmp / f'{name}{rank}.jsonl'}",
+                  "--json"),
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _both(tmp, args, name, envs=(None, None)):
+  port = free_port()
+  procs = [_start(tmp, r, port, args, name, envs[r]) for r in (0, 1)]
+  return [(p, *p.communicate(timeout=600)) for p in procs]
+
+
+def _losses(path):
+  return {e["step"]: e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"}
+
+
+def _steps_logged(path):
+  try:
+    return path.read_text().count('"kind":"step"')
+  except OSError:
+    return 0
+
+
+def _stop_resume(tmp, sharding, location, envs=(None, None)):
+  """An uninterrupted run; a run stopped by SIGTERM to node 1 alone; its resume. Returns
+  (uninterrupted {step: loss}, the stop's summaries, the resume's {step: loss})."""
+  args = _args(sharding) + ("--checkpoint-dir", location)
+  whole = _both(tmp, args[:-2] + ("--checkpoint-dir", location + "-whole"), "w", envs)
+  for p, out, err in whole:
+    assert p.returncode == 0, err
+    assert "Gloo" not in err + out and "Traceback" not in err
+  port = free_port()
+  procs = [_start(tmp, r, port, args, "s", envs[r]) for r in (0, 1)]
+  deadline = time.time() + 300
+  while time.time() < deadline and procs[0].poll() is None and _steps_logged(
+      tmp / "s0.jsonl") < 2:
+    time.sleep(0.005)
+  procs[1].send_signal(signal.SIGTERM)  # node 1 only: the step's stop flag stops both
+  stopped = [(p, *p.communicate(timeout=300)) for p in procs]
+  summaries = []
+  for p, out, err in stopped:
+    assert p.returncode == 143, err
+    summaries.append(json.loads(out))
+    assert summaries[-1]["stopped_by"] == "SIGTERM"
+  assert summaries[0]["steps"] == summaries[1]["steps"] < 8
+  resumed = _both(tmp, args + ("--resume", "latest"), "r", envs)
+  for p, out, err in resumed:
+    assert p.returncode == 0, err
+    assert f"/{summaries[0]['steps']} status" in err.splitlines()[0], err
+  return _losses(tmp / "w0.jsonl"), summaries, _losses(tmp / "r0.jsonl")
+
+
+def test_fsdp_over_two_nodes_stops_on_sigterm_to_one_and_resumes_bitwise(tmp_path):
+  whole, summaries, resumed = _stop_resume(tmp_path, "fsdp", str(tmp_path / "ck"))
+  assert len(whole) == 8 and all(v == v for v in whole.values())
+  start = summaries[0]["steps"]
+  assert resumed == {s: v for s, v in whole.items() if s > start}
+  step_dir = tmp_path / "ck" / "tiny-lm-smoke-checkpoint-every=4-microbatches=4-sharding=fsdp"
+  meta = json.loads((step_dir / str(start) / "meta" / "metadata").read_text())
+  assert meta["sharding"] == "fsdp" and meta["mesh"] == {"node": 2, "gpu": 2}
+  # every process wrote its own shards: a leaf split four ways has four chunk files
+  index = json.loads((step_dir / str(start) / "state" / "shards.json").read_text())
+  split = [i for i, e in enumerate(index["leaves"])
+           if e["shape"] and e["chunks"][0] * 4 == e["shape"][0]]
+  assert split
+  chunks = [n for n in os.listdir(step_dir / str(start) / "state" / f"{split[0]:05d}")
+            if not n.startswith(".")]
+  assert len(chunks) == 4
+  # the same checkpoint resumed replicated: each device's bf16 carry is its node's
+  other = _both(tmp_path, _args("replicate") + (
+      "--checkpoint-dir", str(tmp_path / "ck2"), "--resume", str(step_dir / str(start))), "x")
+  for p, out, err in other:
+    assert p.returncode == 0, err
+  again = _losses(tmp_path / "x0.jsonl")
+  assert sorted(again) == sorted(resumed)
+  assert again[start + 1] == pytest.approx(resumed[start + 1], abs=1e-6)  # the same params
+  assert all(abs(again[s] - resumed[s]) < 1e-4 for s in again), (again, resumed)
+
+
+def test_hsdp_over_two_nodes_resumes_bitwise_from_s3(tmp_path):
+  with moto_with_bucket("ckpts") as endpoint:
+    env = s3_env(endpoint)
+    whole, summaries, resumed = _stop_resume(tmp_path, "hsdp", "s3://ckpts/runs", (env, env))
+  start = summaries[0]["steps"]
+  assert resumed == {s: v for s, v in whole.items() if s > start}
+
+
+def _committed_complete(fs, run_key):
+  """{step: whether every file its manifest lists is there with its size} for each step
+  with a COMMIT marker, and the steps without one."""
+  fs.invalidate_cache(run_key)
+  found = {p: i["size"] for p, i in fs.find(run_key, detail=True).items()}
+  steps = {posixpath.relpath(p, run_key).split("/")[0] for p in found}
+  out, partial = {}, []
+  for step in sorted(s for s in steps if s.isdigit()):
+    key = f"{run_key}/{step}"
+    if f"{key}/COMMIT" not in found:
+      partial.append(int(step))
+      continue
+    files = json.loads(fs.cat_file(f"{key}/MANIFEST.json"))["files"]
+    out[int(step)] = all(found.get(f"{key}/{rel}") == e["bytes"] for rel, e in files.items())
+  return out, partial
+
+
+@pytest.mark.slow
+def test_a_process_killed_while_uploading_its_shards_leaves_no_committed_step_without_them(
+    tmp_path):
+  """Node 1 uploads through a proxy that stalls its first upload of step 8's shards; node 1
+  is killed then. Node 0, which uploaded its own shards, never writes step 8's COMMIT: it
+  ends with E-DP-007 naming step 4, the last committed checkpoint, which is whole."""
+  import s3fs
+  with moto_with_bucket("ckpts") as endpoint:
+    proxy = OutageProxy(int(endpoint.rsplit(":", 1)[1]))
+    try:
+      envs = (s3_env(endpoint), s3_env(proxy.endpoint))
+      for e in envs:
+        e["SEXPGPU_RENDEZVOUS_TIMEOUT"] = "20"
+      proxy.cut_at(rb"^PUT /ckpts/runs/[^/]+/8/state/", 1, 120)
+      args = _args("fsdp") + ("--checkpoint-dir", "s3://ckpts/runs")
+      port = free_port()
+      procs = [_start(tmp_path, r, port, args, "k", envs[r]) for r in (0, 1)]
+      deadline = time.time() + 300
+      while time.time() < deadline and not proxy.cuts and procs[0].poll() is None:
+        time.sleep(0.01)
+      assert proxy.cuts, "node 1 never started uploading step 8"
+      procs[1].kill()
+      out, err = procs[0].communicate(timeout=300)
+      procs[1].communicate(timeout=60)
+    finally:
+      proxy.close()
+    assert procs[0].returncode == 1, err
+    assert "error[E-DP-007]" in err and "Traceback" not in err, err
+    assert "the last committed checkpoint is s3://ckpts/runs/" in err and "/4" in err, err
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, key="testing",
+                           secret="testing")
+    run_key = "ckpts/runs/tiny-lm-smoke-checkpoint-every=4-microbatches=4-sharding=fsdp"
+    complete, partial = _committed_complete(fs, run_key)
+    assert complete == {4: True}, complete
+    assert partial == [8]  # node 0's part of step 8 is there, uncommitted
+
+
+# Two processes, each holding half of a 128 MiB state on its one host device, save it with
+# the run's sharded writer; node 0's host memory peak during the save is measured.
+MEMORY = r"""
+import json, os, sys
+import numpy as np
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from sexpgpu.devices import env, nodes
+from sexpgpu.ckpt import CheckpointStore
+
+rank, port, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cfg = env.NodeConfig(nodes=2, rank=rank, host="127.0.0.1", port=port, collectives="gloo")
+rdv = nodes.initialize(cfg, 60)
+mesh = Mesh(np.array(jax.devices()), ("node",))
+sharding = NamedSharding(mesh, P("node"))
+leaves = 8
+n = 4 << 20  # floats a leaf: 16 MiB, 8 MiB a process
+state = {f"w{i}": jax.make_array_from_callback(
+    (n,), sharding, lambda idx, i=i: np.full((n // 2,), i + rank, np.float32))
+    for i in range(leaves)}
+state_bytes = leaves * n * 4
+
+def status(field):
+  for line in open("/proc/self/status"):
+    if line.startswith(field):
+      return int(line.split()[1]) * 1024
+
+store = CheckpointStore(folder, "run", keep=2)
+if rank == 0:
+  store.check_writable()
+base = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+  f.write("5")  # VmHWM back to the current RSS
+store.save_sharded(3, state, {"step": 3}, rdv)
+grown = status("VmHWM:") - base
+store.close()
+print(json.dumps({"grown": grown, "state": state_bytes}), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_node_0_holds_less_than_half_the_state_in_host_memory_while_saving(tmp_path):
+  port = free_port()
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("SEXPGPU_DEVICES", None)
+  procs = [subprocess.Popen([sys.executable, "-c", MEMORY, str(r), str(port),
+                             str(tmp_path / "ck")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+  results = [(p, *p.communicate(timeout=300)) for p in procs]
+  for p, out, err in results:
+    assert p.returncode == 0, err
+  got = json.loads(results[0][1].splitlines()[-1])
+  # gathering the state on node 0 (the replicated path) would add all of it
+  assert got["grown"] < got["state"] / 2, got
+  from sexpgpu.ckpt import restore_checkpoint
+  import jax
+  import numpy as np
+  abstract = {f"w{i}": jax.ShapeDtypeStruct((4 << 20,), np.float32) for i in range(8)}
+  state, meta = restore_checkpoint(str(tmp_path / "ck" / "run" / "3"), abstract)
+  assert meta == {"step": 3}
+  half = 2 << 20
+  for i in range(8):  # each half came from the process that held it
+    assert (state[f"w{i}"][:half] == i).all() and (state[f"w{i}"][half:] == i + 1).all()
