@@ -123,3 +123,35 @@ def test_a_resume_may_change_the_sharding(tmp_path):
   assert rest.returncode == 0, rest.stderr
   assert f"resume {step_dir}" in rest.stderr.splitlines()[0]
   np.testing.assert_allclose(_losses(mh) + _losses(mr), _losses(mf), rtol=0, atol=1e-5)
+
+
+# The sharded step of a (node, gpu) mesh of 2 x 2 host devices in one process, lowered: the
+# sum between nodes as the program states it, before XLA's CPU backend widens bf16 sums.
+_NODE_SUMS = """
+import jax, re
+from sexpgpu.run.compile import compile_file
+from sexpgpu.run.devices import Placement
+from sexpgpu.run.training import build
+for sharding in ("fsdp", "hsdp"):
+  for gradients in ("bf16", "f32"):
+    c = compile_file({path!r}, "smoke", [("microbatches", "4"), ("sharding", sharding)])
+    t = build(c, Placement("cpu", jax.devices("cpu")[:4], nodes=2), gradients)
+    text = t.step(0, 1).lowered(t.place_abstract(t.abstract_state()),
+                                t.abstract_batches(c.stages[0].data, (4,))).as_text()
+    ops = re.findall(r'"stablehlo\\.(reduce_scatter|all_reduce)"[^\\n]*replica_groups = '
+                     r'dense<(\\[\\[0, 2\\], \\[1, 3\\]\\])>[^\\n]*\\n\\s*\\^bb0\\(%\\w+: '
+                     r'tensor<(\\w+)>', text)
+    print(sharding, gradients, sorted(set((op, dtype) for op, _, dtype in ops)))
+"""
+
+
+def test_bf16_node_gradients_cross_nodes_in_bf16_reduce_scatter_or_all_reduce():
+  """fsdp reduce-scatters the nodes' sums onto the parameters' shards, hsdp all-reduces
+  them, in bf16 between the two nodes (devices 0,1 and 2,3); with f32 node gradients no
+  explicit sum crosses the nodes (XLA's partitioner places the f32 reduce-scatter)."""
+  p = subprocess.run([sys.executable, "-c", _NODE_SUMS.format(path=TINY)], cwd=ROOT,
+                     env=_env(4), capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr
+  assert p.stdout.splitlines() == [
+      "fsdp bf16 [('reduce_scatter', 'bf16')]", "fsdp f32 []",
+      "hsdp bf16 [('all_reduce', 'bf16')]", "hsdp f32 []"], p.stdout

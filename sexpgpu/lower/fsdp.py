@@ -29,11 +29,19 @@ SHARDINGS = ("replicate", "fsdp", "hsdp")
 
 def shard_axes(mesh, sharding: str) -> tuple[str, ...]:
   """The mesh axes an array's state is split over: all of them (fsdp), or within a node
-  (hsdp: the `gpu` axis of a (node, gpu) mesh; on one node that is every device)."""
+  (hsdp: the `gpu` axis of a (node, gpu) mesh; on one node that is every device).
+
+  Over nodes fsdp splits `gpu`-major: a node's sum, split over its devices, then
+  reduce-scattered over `node`, leaves each device exactly its parameters' shard."""
   names = tuple(mesh.axis_names)
-  if sharding == "hsdp" and "gpu" in names:
-    return ("gpu",)
+  if "gpu" in names:
+    return ("gpu",) if sharding == "hsdp" else ("gpu", "node")
   return names
+
+
+def _split_axis(spec: P) -> int | None:
+  """The axis a PartitionSpec splits (spec_for splits at most one), or None."""
+  return next((i for i, a in enumerate(spec) if a is not None), None)
 
 
 def spec_for(shape: tuple[int, ...], n: int, axes: tuple[str, ...], skip: int = 0) -> P:
@@ -84,9 +92,32 @@ class ShardedTrainStep(TrainStep):
 
   def carry_spec(self, path: str, shape: tuple[int, ...]) -> P:
     """A node sum's or carry's PartitionSpec ([nodes, *shape]): one row a node, the row
-    split over that node's devices."""
-    inner = tuple(spec_for(shape, self.gpus, ("gpu",), self.stacks.get(path, 0)))
-    return P("node", *(inner + (None,) * (len(shape) - len(inner))))
+    split over that node's devices on the parameter's own split axis."""
+    axis = _split_axis(self.param_spec(path, shape))
+    if axis is None:
+      inner = tuple(spec_for(shape, self.gpus, ("gpu",), self.stacks.get(path, 0)))
+      inner += (None,) * (len(shape) - len(inner))
+    else:
+      inner = tuple("gpu" if i == axis else None for i in range(len(shape)))
+    return P("node", *inner)
+
+  def _node_sum(self, path: str, sent):
+    """The nodes' bf16 sums ([nodes, *shape]) summed over `node` in bf16, as one explicit
+    collective so the bytes between nodes are bf16 whatever the partitioner would choose:
+    a reduce-scatter onto the parameter's shards (fsdp), or an all-reduce (hsdp, and an
+    array no axis of which fits)."""
+    shape = tuple(sent.shape[1:])
+    spec, rows = self.param_spec(path, shape), self.carry_spec(path, shape)
+    axis = _split_axis(spec)
+    scatter = axis is not None and "node" in self.over
+
+    def body(x):
+      if scatter:
+        return jax.lax.psum_scatter(x[0], "node", scatter_dimension=axis, tiled=True)
+      return jax.lax.psum(x[0], "node")
+    out = jax.shard_map(body, mesh=self.mesh, in_specs=rows,
+                        out_specs=spec if scatter else P(*tuple(rows)[1:]), check_vma=False)
+    return out(sent).astype(jnp.float32)
 
   def _carry_shardings(self, params: dict) -> dict:
     return {path: NamedSharding(self.mesh, self.carry_spec(path, tuple(p.shape)))
@@ -163,9 +194,8 @@ class ShardedTrainStep(TrainStep):
       fed = jax.tree_util.tree_map(jnp.add, grads, state["carry"])
       sent = jax.tree_util.tree_map(lambda e: e.astype(jnp.bfloat16), fed)
       carry = jax.tree_util.tree_map(lambda e, q: e - q.astype(jnp.float32), fed, sent)
-      grads = self._constrain(
-          jax.tree_util.tree_map(lambda q: jnp.sum(q, 0, dtype=jnp.bfloat16).astype(
-              jnp.float32), sent), self._param_shardings(state["params"]))
+      grads = self._constrain({path: self._node_sum(path, q) for path, q in sent.items()},
+                              self._param_shardings(state["params"]))
     new_state, metrics = self._apply(state, loss, grads, tapped)
     if carry is not None:
       new_state["carry"] = carry
