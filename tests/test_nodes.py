@@ -109,3 +109,25 @@ def test_params_hash():
   assert nodes.params_hash(a) == nodes.params_hash(dict(a))
   assert nodes.params_hash(a) != nodes.params_hash({**a, "b": np.ones(3, np.float32)})
   assert nodes.params_hash(a) != nodes.params_hash({**a, "w": a["w"].reshape(3, 2)})
+
+
+def test_gloo_announcements_go_also_when_two_threads_interleave_their_pieces():
+  """gloo writes `[Gloo] Rank N is connected to …` in pieces; two local devices' threads
+  interleave them. Every interleaving leaves the run's own lines, and only those (written
+  whole, before the collective connects or after its results came back)."""
+  import random
+  def pieces(rank):
+    return [b"[Gloo] Rank ", str(rank).encode(), b" is connected to ", b"3",
+            b" peer ranks. Expected number of connected peer ranks is : ", b"3", b"\n"]
+  ours = [b"step 0/6 loss - | eval/loss 3.46574 | 0 records | 0.0s\n",
+          b"step 10/12 loss 1.25 | 240 records | 1.2s\n"]
+  rng = random.Random(0)
+  for _ in range(200):
+    streams = [pieces(2), pieces(3)]
+    out = ours[0]
+    while any(streams):
+      s = rng.choice([s for s in streams if s])
+      out += s.pop(0)
+    out += ours[1]
+    assert nodes.without_gloo(out) == b"".join(ours), out
+  assert nodes.without_gloo(b"step 3 loss 2\n12\n") == b"step 3 loss 2\n12\n"  # no gloo here

@@ -46,8 +46,11 @@ LEFT_GRACE_S = 10
 # What every node publishes at the rendezvous, and how the error names it.
 COMPARED = (("nodes", "node count"), ("gpus", "GPU count"), ("fingerprint", "experiment"),
             ("gradients", "gradient dtype"), ("resume", "resume checkpoint"))
-# gloo's announcement; two local devices' threads may interleave theirs mid-line
-_GLOO = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks")
+# gloo's announcement `[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of
+# connected peer ranks is : 3`, written in pieces: two local devices' threads interleave them
+_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. "
+                          rb"Expected number of connected peer ranks is : ")
+_DIGITS_ONLY = re.compile(rb"^[\d ]*\n?$")
 _ORIGINAL_STDERR: int | None = None
 _CURRENT: "Rendezvous | None" = None
 
@@ -524,6 +527,15 @@ def quiet_collectives() -> Iterator[None]:
         os.dup2(real, fd)
         os.close(real)
         tmp.seek(0)
-        kept = [ln for ln in tmp.read().splitlines(keepends=True) if not _GLOO.search(ln)]
+        kept = without_gloo(tmp.read())
         if kept:
-          os.write(fd, b"".join(kept))
+          os.write(fd, kept)
+
+
+def without_gloo(text: bytes) -> bytes:
+  """`text` without gloo's announcements, also where two threads' pieces interleave:
+  the pieces go, then the lines left holding only their numbers."""
+  if not _GLOO_PIECES.search(text):
+    return text
+  lines = _GLOO_PIECES.sub(b"", text).splitlines(keepends=True)
+  return b"".join(ln for ln in lines if not _DIGITS_ONLY.match(ln))
