@@ -118,6 +118,24 @@ def test_hsdp_over_two_nodes_resumes_bitwise_from_s3(tmp_path):
   assert resumed == {s: v for s, v in whole.items() if s > start}
 
 
+def test_a_checkpoint_folder_the_nodes_do_not_share_is_e_ckpt_004_on_both(tmp_path):
+  """Each node's --checkpoint-dir its own disk (here: two folders): node 0 does not see
+  node 1's shards, so it commits nothing and every node says why and what to pass."""
+  args = _args("fsdp", steps=2)
+  port = free_port()
+  procs = [_start(tmp_path, r, port, args + ("--checkpoint-dir", str(tmp_path / f"disk{r}")),
+                  "n") for r in (0, 1)]
+  for p in procs:
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1, err
+    line = next(ln for ln in err.splitlines() if ln.startswith("error["))
+    assert line.startswith("error[E-CKPT-004]: node 0: cannot write checkpoint "), err
+    assert "where node 0 does not see them" in line and "every node sees" in line, line
+    assert "storage they all mount" in err and "Traceback" not in err, err
+  (run_dir,) = (tmp_path / "disk0").iterdir()
+  assert not any(n.isdigit() for n in os.listdir(run_dir))  # no step counts
+
+
 def _committed_complete(fs, run_key):
   """{step: whether every file its manifest lists is there with its size} for each step
   with a COMMIT marker, and the steps without one."""

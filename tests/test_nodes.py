@@ -117,8 +117,8 @@ def test_gloo_announcements_go_also_when_two_threads_interleave_their_pieces():
   whole, before the collective connects or after its results came back)."""
   import random
   def pieces(rank):
-    return [b"[Gloo] Rank ", str(rank).encode(), b" is connected to ", b"3",
-            b" peer ranks. Expected number of connected peer ranks is : ", b"3", b"\n"]
+    return [b"[Gloo] Rank ", str(rank).encode(), b" is connected to ", b"3", b" peer ranks. ",
+            b"Expected number of connected peer ranks is : ", b"3", b"\n"]
   ours = [b"step 0/6 loss - | eval/loss 3.46574 | 0 records | 0.0s\n",
           b"step 10/12 loss 1.25 | 240 records | 1.2s\n"]
   rng = random.Random(0)

@@ -91,14 +91,24 @@ def _owned(x) -> list:
   return mine
 
 
-def write_mine(folder: str, state: Any) -> int:
-  """Writes the shards this process owns into `folder/state/`; returns their bytes.
+def _chunk_file(i: int, key: tuple, chunks: tuple[int, ...]) -> str:
+  """The file, relative to the step folder, that holds leaf i's chunk at `key` (zarr v2
+  names a chunk by its grid position, dot-separated; a 0-d array's one chunk is `0`)."""
+  grid = ".".join(str(a // c) for (a, _), c in zip(key, chunks)) or "0"
+  return f"state/{i:05d}/{grid}"
+
+
+def write_mine(folder: str, state: Any) -> list[str]:
+  """Writes the shards this process owns into `folder/state/`.
 
   The arrays' metadata is assumed (node 0 writes it with `create`), so a process whose
   folder is its own (a staging folder before an upload) writes chunk files only.
+
+  Returns:
+    The files written, relative to `folder`.
   """
   import tensorstore as ts
-  total = 0
+  written = []
   for i, (_, x) in enumerate(_leaves(state)):
     owned = _owned(x)
     if not owned:
@@ -108,9 +118,9 @@ def write_mine(folder: str, state: Any) -> int:
     for key, shard in owned:
       data = np.asarray(shard.data)
       arr[tuple(slice(a, b) for a, b in key)].write(data).result()
-      total += data.nbytes
+      written.append(_chunk_file(i, key, _chunk(x)))
       del data
-  return total
+  return written
 
 
 class LayoutError(ValueError):

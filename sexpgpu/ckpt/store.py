@@ -105,6 +105,10 @@ def _is_full(error: BaseException) -> bool:
   return "RESOURCE_EXHAUSTED" in text and "memory" not in text.lower()
 
 
+class NotShared(OSError):
+  """A local checkpoint folder that the nodes do not share (each sees its own disk)."""
+
+
 def _retain_local(run_dir: str, keep: int) -> None:
   """Deletes all but the `keep` newest complete steps of a local run folder, and the
   partial folders of sharded saves older than the newest (a killed run's)."""
@@ -282,9 +286,9 @@ class CheckpointStore:
         shards.create(folder, state)
 
     def write():
-      shards.write_mine(folder, state)
-      if not self.remote:
-        return {}
+      mine = shards.write_mine(folder, state)
+      if not self.remote:  # what node 0 must see of this node's part in the shared folder
+        return {rel: os.path.getsize(os.path.join(folder, rel)) for rel in mine}
       files = manifest.entries(folder)
       remote.put(self._fs, folder, self.step_dir(step))
       return files
@@ -307,6 +311,14 @@ class CheckpointStore:
                       list(files) + [manifest.MANIFEST])
         remote.retain(self._fs, self.run_dir, self.keep)
       else:
+        for n, part in sorted(parts.items()):
+          unseen = [rel for rel, size in sorted(part.items())
+                    if not os.path.isfile(os.path.join(folder, rel))
+                    or os.path.getsize(os.path.join(folder, rel)) != size]
+          if unseen:
+            raise NotShared(f"node {n} wrote {len(unseen)} of its {len(part)} shard files "
+                            f"where node 0 does not see them (such as {unseen[0]}): "
+                            f"{scrub(self.run_dir)} is not one folder that every node sees")
         with open(os.path.join(folder, LOCAL_DONE), "w") as f:
           f.write("sexpgpu: every process wrote its shards")
         shutil.rmtree(final, ignore_errors=True)
@@ -411,6 +423,13 @@ class CheckpointStore:
     return self._last
 
   def _save_error(self, step: int, error: BaseException) -> SxError:
+    if isinstance(error, NotShared):
+      return SxError("E-CKPT-004", f"cannot write checkpoint {scrub(self.step_dir(step))}: "
+                     f"{error}", where=self.where,
+                     notes=[("previous", self.intact(exclude=step))],
+                     fix="pass every node the same --checkpoint-dir on storage they all "
+                     "mount (NFS, Lustre, a cloud file system), or an s3:// or gs:// "
+                     "location, then resume with --resume latest")
     if _is_full(error):  # the one cause worth naming plainly: no library's wording
       return SxError("E-CKPT-004", f"cannot write checkpoint {scrub(self.step_dir(step))}: "
                      "the device is full (no space left, or the quota is used up)",

@@ -48,7 +48,7 @@ COMPARED = (("nodes", "node count"), ("gpus", "GPU count"), ("fingerprint", "exp
             ("gradients", "gradient dtype"), ("resume", "resume checkpoint"))
 # gloo's announcement `[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of
 # connected peer ranks is : 3`, written in pieces: two local devices' threads interleave them
-_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. "
+_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank | is connected to | peer ranks\. ?|"
                           rb"Expected number of connected peer ranks is : ")
 _DIGITS_ONLY = re.compile(rb"^[\d ]*\n?$")
 _ORIGINAL_STDERR: int | None = None

@@ -262,10 +262,14 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
   resumed_at = start if resume_dir is not None else None
 
   def passes(step: int, at_end: bool) -> bool:
-    with feed.lock:  # a pass may read the loader the feed draws from
-      ran = _run_passes(c, training, place, state, step, at_end, resumed_at, metrics,
-                        progress, log)
-    samplers.run(place, state["params"], step, steps, at_end, resumed_at, metrics, progress, log)
+    # A pass gathers sharded parameters over the nodes: gloo announces each new group of
+    # peers on our output when a pass first runs its collectives.
+    with _quiet(multi and training.sharding != "replicate"):
+      with feed.lock:  # a pass may read the loader the feed draws from
+        ran = _run_passes(c, training, place, state, step, at_end, resumed_at, metrics,
+                          progress, log)
+      samplers.run(place, state["params"], step, steps, at_end, resumed_at, metrics,
+                   progress, log)
     return ran
 
   def new_feed(first_step: int) -> Feeder:
@@ -316,8 +320,7 @@ def _loop(c, o, place, training, store, resume_dir, metrics, progress: Progress,
     pending = None
     return stop
 
-  with _quiet(multi and training.sharding != "replicate"):  # a pass gathers sharded params
-    passes(start, start == steps)
+  passes(start, start == steps)
   progress.set_status("running", step)
   try:
     while step < steps:
