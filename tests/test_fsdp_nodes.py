@@ -164,8 +164,8 @@ def test_a_process_killed_while_uploading_its_shards_leaves_no_committed_step_wi
     proxy = OutageProxy(int(endpoint.rsplit(":", 1)[1]))
     try:
       envs = (s3_env(endpoint), s3_env(proxy.endpoint))
-      for e in envs:
-        e["SEXPGPU_RENDEZVOUS_TIMEOUT"] = "20"
+      for e in envs:  # node 0 waits for node 1's report this long past its own upload
+        e.update(SEXPGPU_RENDEZVOUS_TIMEOUT="20", SEXPGPU_REMOTE_TIMEOUT="5")
       proxy.cut_at(rb"^PUT /ckpts/runs/[^/]+/8/state/", 1, 120)
       args = _args("fsdp") + ("--checkpoint-dir", "s3://ckpts/runs")
       port = free_port()

@@ -352,7 +352,10 @@ class CheckpointStore:
           return dict(v["error"], message=f"node {n}: {v['error']['message']}")
       return None
 
-    values = nodes.exchange(f"ckpt-{step}-{phase}", value, judge)
+    # the others may still be writing (and uploading, with its retries) their parts
+    from sexpgpu.retrying import deadline_s  # pylint: disable=import-outside-toplevel
+    extra = deadline_s() if self.remote else 0.0
+    values = nodes.exchange(f"ckpt-{step}-{phase}", value, judge, extra_s=extra)
     return {n: v["result"] for n, v in values.items()}
 
   def _staging_dir(self) -> str:

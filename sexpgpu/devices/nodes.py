@@ -318,8 +318,8 @@ class Rendezvous:
     with self.watch(f"barrier {name}"):
       self.client.wait_at_barrier(f"sexpgpu/{name}", self.timeout_ms)
 
-  def exchange(self, topic: str, value: dict, judge: Callable[[dict, dict[int, dict]], dict | None]
-               ) -> dict[int, dict]:
+  def exchange(self, topic: str, value: dict, judge: Callable[[dict, dict[int, dict]], dict | None],
+               extra_s: float = 0.0) -> dict[int, dict]:
     """Every node publishes `value`; node 0 judges them all and every node learns the verdict.
 
     Args:
@@ -327,6 +327,9 @@ class Rendezvous:
       value: this node's JSON-able value.
       judge: on node 0, (node 0's value, {node: value}) → None when they agree,
         else {"code", "message", "where", "fix"} of the error.
+
+      extra_s: seconds the others may take past the rendezvous timeout (work that each
+        node does before it publishes, such as uploading its part of a checkpoint).
 
     Returns:
       On node 0 every node's value; on the others their own only.
@@ -336,20 +339,22 @@ class Rendezvous:
     """
     c, kv = self.cfg, self.client
     values = {c.rank: value}
-    with self.watch(topic):
+    limit_s = self.watchdog.timeout_s + extra_s
+    timeout_ms = int((limit_s + MARGIN_S) * 1000)
+    with self.watch(topic, limit_s):
       kv.key_value_set(f"sexpgpu/{topic}/{c.rank}", json.dumps(value, sort_keys=True))
       if c.rank == 0:
         for r in range(1, c.nodes):
           values[r] = json.loads(kv.blocking_key_value_get(f"sexpgpu/{topic}/{r}",
-                                                           self.timeout_ms))
+                                                           timeout_ms))
         bad = judge(value, values)
         verdict = {"ok": bad is None, **(bad or {})}
         kv.key_value_set(f"sexpgpu/{topic}/verdict", json.dumps(verdict))
       else:
         verdict = json.loads(kv.blocking_key_value_get(f"sexpgpu/{topic}/verdict",
-                                                       self.timeout_ms))
+                                                       timeout_ms))
       # node 0 leaves (and takes the coordinator with it) only once all have read it
-      kv.wait_at_barrier(f"sexpgpu/{topic}/read", self.timeout_ms)
+      kv.wait_at_barrier(f"sexpgpu/{topic}/read", timeout_ms)
     if not verdict["ok"]:
       raise SxError(verdict["code"], verdict["message"], where=verdict.get("where"),
                     fix=verdict.get("fix"))
