@@ -117,7 +117,9 @@ def write_mine(folder: str, state: Any) -> list[str]:
                   assume_metadata=True).result()
     for key, shard in owned:
       data = np.asarray(shard.data)
-      arr[tuple(slice(a, b) for a, b in key)].write(data).result()
+      # the shard is written from its own buffer (no copy), which lives until the write ends
+      arr[tuple(slice(a, b) for a, b in key)].write(
+          data, can_reference_source_data_indefinitely=True).result()
       written.append(_chunk_file(i, key, _chunk(x)))
       del data
   return written
