@@ -100,13 +100,17 @@ def test_cpu_nodes_need_gloo_e_dp_005(tmp_path):
   assert p.returncode == 1 and "error[E-DP-005]" in p.stderr
 
 
-def test_a_node_with_another_experiment_is_e_dp_006(tmp_path):
+@pytest.mark.parametrize("other,said", [
+    (("--set", "lr=0.5"), "experiment"),
+    # outside the fingerprint (a resume may change it), yet the nodes must share it
+    (("--set", "sharding=fsdp"), ":sharding fsdp on node 1, replicate on node 0")])
+def test_a_node_with_another_experiment_is_e_dp_006(tmp_path, other, said):
   port = free_port()
-  procs = [_start(tmp_path, 0, port, ARGS),
-           _start(tmp_path, 1, port, ARGS + ("--set", "lr=0.5"))]
+  procs = [_start(tmp_path, 0, port, ARGS), _start(tmp_path, 1, port, ARGS + other)]
   results = [(p, *p.communicate(timeout=600)) for p in procs]
   for p, out, err in results:
     assert p.returncode == 1 and "error[E-DP-006]" in err, err
+    assert said in err, err
   assert "node 1" in results[0][2]
 
 

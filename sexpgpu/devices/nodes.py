@@ -425,6 +425,14 @@ def _judge_info(mine: dict, values: dict[int, dict]) -> dict | None:
         return {"code": "E-DP-006", "message": f"node {r} differs from node 0 at the rendezvous: "
                 f"{what} {_show(other.get(key))} on node {r}, {_show(mine.get(key))} on node 0",
                 "where": f"node {r}", "fix": FIX_SAME}
+    # settings outside the fingerprint that the nodes must still share (:sharding, when to
+    # save or evaluate: a node saving alone would wait for the others for ever)
+    theirs, ours = other.get("knobs") or {}, mine.get("knobs") or {}
+    for knob in sorted(set(theirs) | set(ours)):
+      if theirs.get(knob) != ours.get(knob):
+        return {"code": "E-DP-006", "message": f"node {r} differs from node 0 at the rendezvous: "
+                f":{knob} {_show(theirs.get(knob))} on node {r}, {_show(ours.get(knob))} on "
+                "node 0", "where": f"node {r}", "fix": FIX_SAME}
   return None
 
 
@@ -437,7 +445,8 @@ def compare_at_rendezvous(info: Mapping[str, Any], rdv: Rendezvous | None = None
 
   Args:
     info: this node's {"nodes", "node", "gpus", "fingerprint", "gradients",
-      "resume"} (resume: the checkpoint step folder it resumes, or None).
+      "resume", "knobs"} (resume: the checkpoint step folder it resumes, or None;
+      knobs: the knobs outside the fingerprint, by name, as text).
     rdv: the Rendezvous (default: the one initialize() made).
 
   Raises:

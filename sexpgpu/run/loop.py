@@ -183,9 +183,12 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   node_gradients = nodes_cfg.gradients if nodes_cfg else "f32"
   if rdv is not None:
     from sexpgpu.devices.nodes import compare_at_rendezvous
+    from sexpgpu.lang.select import NOT_IN_FINGERPRINT
     compare_at_rendezvous({"nodes": place.nodes, "node": node, "gpus": len(place.local_devices),
                            "fingerprint": c.fingerprint, "gradients": node_gradients,
-                           "resume": resume_dir or "-"}, rdv)
+                           "resume": resume_dir or "-",
+                           "knobs": {k: str(v.value) for k, v in c.selection.knobs.items()
+                                     if k in NOT_IN_FINGERPRINT}}, rdv)
   training = build(c, place, node_gradients)
   from sexpgpu.lower.flops import device_peak, train_flops
   progress.flops = [train_flops(s.graph, training.k) for s in c.stages]
