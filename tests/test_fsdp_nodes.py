@@ -207,9 +207,9 @@ mesh = Mesh(np.array(jax.devices()), ("node",))
 sharding = NamedSharding(mesh, P("node"))
 leaves = 8
 n = 4 << 20  # floats a leaf: 16 MiB, 8 MiB a process
-state = {f"w{i}": jax.make_array_from_callback(
+state = {"params": {f"w{i}": jax.make_array_from_callback(
     (n,), sharding, lambda idx, i=i: np.full((n // 2,), i + rank, np.float32))
-    for i in range(leaves)}
+    for i in range(leaves)}}
 state_bytes = leaves * n * 4
 
 def status(field):
@@ -245,11 +245,16 @@ def test_node_0_holds_less_than_half_the_state_in_host_memory_while_saving(tmp_p
   # gathering the state on node 0 (the replicated path) would add all of it
   assert got["grown"] < got["state"] / 2, got
   from sexpgpu.ckpt import restore_checkpoint
+  from sexpgpu.models.source import checkpoint_params
   import jax
   import numpy as np
-  abstract = {f"w{i}": jax.ShapeDtypeStruct((4 << 20,), np.float32) for i in range(8)}
-  state, meta = restore_checkpoint(str(tmp_path / "ck" / "run" / "3"), abstract)
-  assert meta == {"step": 3}
+  step_dir = str(tmp_path / "ck" / "run" / "3")
+  abstract = {"params": {f"w{i}": jax.ShapeDtypeStruct((4 << 20,), np.float32)
+                         for i in range(8)}}
+  state, meta = restore_checkpoint(step_dir, abstract)
+  params, meta2 = checkpoint_params(step_dir)  # as export, sample and warm starts read it
+  assert meta == meta2 == {"step": 3}
   half = 2 << 20
   for i in range(8):  # each half came from the process that held it
-    assert (state[f"w{i}"][:half] == i).all() and (state[f"w{i}"][half:] == i + 1).all()
+    for got in (state["params"][f"w{i}"], params[f"w{i}"]):
+      assert (got[:half] == i).all() and (got[half:] == i + 1).all()

@@ -97,13 +97,6 @@ def restore(step_dir: str, abstract_state: Any) -> tuple[Any, dict]:
   return out.state, out.meta
 
 
-def restore_meta(step_dir: str) -> dict:
-  """Restores only the meta JSON of a local step folder."""
-  with _checkpointer() as ckptr:
-    out = ckptr.restore(step_dir, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-  return out.meta
-
-
 def drop_leftovers() -> None:
   """Collects what a failed orbax call left behind (unawaited coroutines,
   closed event loops) now and silently, so no warning reaches standard error."""

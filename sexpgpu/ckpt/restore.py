@@ -160,10 +160,10 @@ def read_meta(step_dir: str) -> dict:
   Raises:
     SxError: E-CKPT-003 when missing, incomplete or unreadable.
   """
-  return _read(step_dir, _meta_of, only="meta")
+  return _read(step_dir, meta_of, only="meta")
 
 
-def _meta_of(local_dir: str) -> dict:
+def meta_of(local_dir: str) -> dict:
   """The meta JSON of a local step folder (orbax's JsonSave wrote it as plain JSON)."""
   with open(os.path.join(local_dir, *orbax_io.META_FILE.split("/"))) as f:
     return json.load(f)
@@ -211,7 +211,7 @@ def restore_checkpoint(step_dir: str, abstract_state: Any,
         state = shards.read(local_dir, placed if placed is not None else abstract_state)
       except shards.LayoutError as e:
         raise _unreadable(step_dir, str(e)) from e
-      return state, _meta_of(local_dir)
+      return state, meta_of(local_dir)
     return orbax_io.restore(local_dir, abstract_state)
   state, meta = _read(step_dir, reader)
   _check_like(step_dir, state, abstract_state)

@@ -35,6 +35,12 @@ def _leaves(state: Any) -> list[tuple[str, Any]]:
           for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
+def _keys(tree_path) -> list[str]:
+  """A leaf's path as plain names (dict keys, attributes, indices), for readers that do
+  not know the tree: ["params", "layers/block/w"], ["opt", "0", "mu", ...]."""
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in tree_path]
+
+
 def _spec(folder: str, i: int, shape=None, chunks=None, dtype=None) -> dict:
   spec = {"driver": "zarr", "kvstore": {"driver": "file",
                                         "path": os.path.join(folder, "state", f"{i:05d}") + "/"}}
@@ -63,11 +69,12 @@ def create(folder: str, state: Any) -> None:
   """Node 0: every leaf's array metadata and the index, before any process writes."""
   import tensorstore as ts
   entries = []
-  for i, (path, x) in enumerate(_leaves(state)):
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  for i, ((path, x), (tree_path, _)) in enumerate(zip(_leaves(state), flat)):
     ts.open(_spec(folder, i, x.shape, _chunk(x), _zarr_dtype(x.dtype)), create=True,
             delete_existing=True).result()
-    entries.append({"path": path, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
-                    "chunks": list(_chunk(x))})
+    entries.append({"path": path, "keys": _keys(tree_path), "shape": list(x.shape),
+                    "dtype": np.dtype(x.dtype).name, "chunks": list(_chunk(x))})
   body = {"format": FORMAT, "leaves": entries}
   with open(os.path.join(folder, "state", INDEX), "w") as f:
     json.dump(body, f, indent=1)
@@ -168,3 +175,17 @@ def read(step_dir: str, target: Any) -> Any:
       out.append(jax.make_array_from_callback(
           tuple(want.shape), sharding, lambda idx, a=arr: np.asarray(a[idx].read().result())))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def read_group(step_dir: str, group: str) -> dict[str, np.ndarray]:
+  """The leaves saved as `state[group][name]` (the parameters), whole on the host, by name:
+  for readers that do not know the experiment that wrote the state."""
+  import tensorstore as ts
+  with open(os.path.join(step_dir, "state", INDEX)) as f:
+    index = json.load(f)
+  out = {}
+  for i, entry in enumerate(index["leaves"]):
+    keys = entry.get("keys") or []
+    if len(keys) == 2 and keys[0] == group:
+      out[keys[1]] = np.asarray(ts.open(_spec(step_dir, i), open=True).result().read().result())
+  return out

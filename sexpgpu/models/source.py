@@ -36,12 +36,14 @@ def checkpoint_params(step_dir: str) -> tuple[dict[str, np.ndarray], dict]:
   Raises:
     SxError: E-CKPT-003 when the folder is missing, incomplete or unreadable.
   """
-  from sexpgpu.ckpt.orbax_io import ocp, restore_meta
-  from sexpgpu.ckpt.restore import _read
+  from sexpgpu.ckpt import shards
+  from sexpgpu.ckpt.orbax_io import ocp
+  from sexpgpu.ckpt.restore import _read, meta_of
 
   def reader(local: str):
-    state = ocp.StandardCheckpointer().restore(os.path.join(local, "state"))
-    return state, restore_meta(local)
+    if shards.is_sharded(local):  # every process wrote its own shards
+      return {"params": shards.read_group(local, "params")}, meta_of(local)
+    return ocp.StandardCheckpointer().restore(os.path.join(local, "state")), meta_of(local)
 
   state, meta = _read(step_dir, reader)
   params = state.get("params") if isinstance(state, dict) else None
