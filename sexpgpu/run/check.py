@@ -92,7 +92,7 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   lines += [f"    {name:<26} {_bytes(v)}" for name, v in choice.plan.parts.items()]
   if training.sharding != "replicate":
     whole = training.replicated()
-    lines.append(f"  sharding    {training.sharding} over {place.ranks}; replicated: "
+    lines.append(f"  sharding    {training.sharding} over {training.split_over()}; replicated: "
                  + (", ".join(whole) if whole else "none"))
   lines.append(f"  stacking    {choice.text}")
   for d, total in sorted(choice.totals.items(), reverse=True):

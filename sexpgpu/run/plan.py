@@ -356,8 +356,7 @@ def sharding_hint(training, plan: mem.Plan, state) -> list[str]:
   The estimate takes the parameters, optimizer states and f32 gradient sums out of the
   replicated plan and puts back one device's share of them (1/R): what fsdp saves.
   """
-  if training.sharding != "replicate" or training.ranks < 2 or training.place is None \
-      or training.place.multiprocess:
+  if training.sharding != "replicate" or training.ranks < 2 or training.place is None:
     return []
   whole = sum(plan.parts.get(k, 0) for k in ("parameters", "optimizer states",
                                              "gradients and accumulators"))
@@ -401,7 +400,8 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
   free = mem.free_bytes_of(device, os.environ.get("SEXPGPU_MEMORY"))
   reserve = mem.reserve_for(device)
   plans, execs, predicted = {}, {}, {}
-  over = "" if training.sharding == "replicate" else f"{training.sharding} over {training.ranks}"
+  over = ("" if training.sharding == "replicate"
+          else f"{training.sharding} over {training.split_over(stage)}")
   for d in degrees:
     ex = training.step(stage, d).executables(state, batches)
     resident = {}

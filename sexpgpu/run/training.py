@@ -108,6 +108,12 @@ class Training:
     step = self.step(stage, self.k // self.ranks)
     return share(step._place_state(state))
 
+  def split_over(self, stage: int = 0) -> int:
+    """How many devices the state is split over: every rank (fsdp), a node's (hsdp)."""
+    if self.sharding == "replicate":
+      return 1
+    return self.step(stage, self.k // self.ranks).n
+
   def replicated(self, stage: int = 0) -> list[str]:
     """Parameters that stay whole on every device under fsdp/hsdp (no axis fits)."""
     if self.sharding == "replicate":
