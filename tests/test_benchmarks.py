@@ -1,4 +1,5 @@
-"""benchmarks/bench_train.py at a tiny shape: it runs every leg and the legs agree."""
+"""benchmarks/: bench_train.py at a tiny shape (every leg runs and the legs agree), and
+bench_fsdp_styles.py at a tiny one."""
 
 import json
 import os
@@ -42,3 +43,16 @@ def test_bench_train_tiny_smoke(tmp_path):
   for leg, x in res["legs"].items():
     assert x["loss"][:3] == pytest.approx(ref[:3], abs=1e-4), leg
     assert x["tok_s"] > 0 and x["first_s"] > 0 and x["rss_mib"] > 0
+
+
+def test_bench_fsdp_styles_smoke():
+  """The two ways to write an FSDP step compute the same parameters (the ratio it prints
+  is what lower/fsdp.py's choice cites)."""
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp_styles.py"),
+                      "--devices", "2", "--width", "64", "--layers", "2", "--batch", "16",
+                      "--steps", "2", "--rounds", "1"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  line = r.stdout.strip().splitlines()[-1]
+  assert line.startswith("ratio shard_map/jit over 2 host devices"), r.stdout
+  assert float(line.rsplit("|difference| ", 1)[1]) < 1e-5, line
