@@ -108,6 +108,14 @@ def test_fsdp_over_two_nodes_stops_on_sigterm_to_one_and_resumes_bitwise(tmp_pat
   assert sorted(again) == sorted(resumed)
   assert again[start + 1] == pytest.approx(resumed[start + 1], abs=1e-6)  # the same params
   assert all(abs(again[s] - resumed[s]) < 1e-4 for s in again), (again, resumed)
+  # a warm start from it over the same nodes: parameters read into the shards, the bf16
+  # carries at zero in the sharded layout, a fresh optimizer
+  warm = _both(tmp_path, _args("fsdp", steps=1) + ("--init-from", str(step_dir / str(start))),
+               "i")
+  for p, out, err in warm:
+    assert p.returncode == 0, err
+    assert "init-from: " in err, err
+  assert _losses(tmp_path / "i0.jsonl")[1] < whole[1] - 0.01  # trained, not initialized
 
 
 def test_hsdp_over_two_nodes_resumes_bitwise_from_s3(tmp_path):

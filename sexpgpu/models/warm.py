@@ -129,8 +129,5 @@ def start_state(c, training, stage: int, log: Callable[[str], None] = lambda s: 
   opt, _ = training.optimizer(stage)
   state = training.place_state(init_state(params, opt), stage)
   if training.carried:
-    place = training.place
-    n = len(place.local_devices)
-    state["carry"] = {k: place.shard(np.zeros((n,) + v.shape, np.float32), training.ranks)
-                      for k, v in state["params"].items()}
+    state["carry"] = training.zero_carry(stage)
   return state

@@ -142,19 +142,28 @@ class Training:
       abstract = self.abstract_state(stage)
       shardings = self.step(stage, self.k // self.ranks).state_shardings(abstract)
 
-      def init():
-        state = init_state(init_params(self.seed, self.c.params), opt)
-        if "carry" in abstract:
-          state["carry"] = {k: jnp.zeros(v.shape, v.dtype) for k, v in abstract["carry"].items()}
-        return state
-      return jax.jit(init, out_shardings=shardings)()
-    with jax.default_device(place.first):
-      state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
+      shardings.pop("carry", None)
+      state = jax.jit(lambda: init_state(init_params(self.seed, self.c.params), opt),
+                      out_shardings=shardings)()
+    else:
+      with jax.default_device(place.first):
+        state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
     if self.carried:
-      n = len(place.local_devices)
-      state["carry"] = {k: place.shard(np.zeros((n,) + v.shape, np.float32), self.ranks)
-                        for k, v in state["params"].items()}
+      state["carry"] = self.zero_carry(stage)
     return state
+
+  def zero_carry(self, stage: int = 0) -> dict:
+    """The bf16 sums' rounding-error carries at zero, placed as the run keeps them: a row
+    a device (replicate) or a row a node split over its devices (fsdp, hsdp)."""
+    carry = self.abstract_state(stage)["carry"]
+    if self.sharding == "replicate":
+      n = len(self.place.local_devices)
+      return {k: self.place.shard(np.zeros((n,) + v.shape[1:], np.float32), self.ranks)
+              for k, v in carry.items()}
+    step = self.step(stage, self.k // self.ranks)
+    shardings = step.state_shardings({"params": {}, "carry": carry})["carry"]
+    return jax.jit(lambda: {k: jnp.zeros(v.shape, v.dtype) for k, v in carry.items()},
+                   out_shardings=shardings)()
 
   def abstract_batches(self, loader: str, lead: tuple = ()) -> dict:
     """A loader's batch as ShapeDtypeStructs, with leading axes `lead` (e.g. (K,))."""
