@@ -69,11 +69,10 @@ def create(folder: str, state: Any) -> None:
   """Node 0: every leaf's array metadata and the index, before any process writes."""
   import tensorstore as ts
   entries = []
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  for i, ((path, x), (tree_path, _)) in enumerate(zip(_leaves(state), flat)):
+  for i, (tree_path, x) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
     ts.open(_spec(folder, i, x.shape, _chunk(x), _zarr_dtype(x.dtype)), create=True,
             delete_existing=True).result()
-    entries.append({"path": path, "keys": _keys(tree_path), "shape": list(x.shape),
+    entries.append({"path": jax.tree_util.keystr(tree_path), "keys": _keys(tree_path), "shape": list(x.shape),
                     "dtype": np.dtype(x.dtype).name, "chunks": list(_chunk(x))})
   body = {"format": FORMAT, "leaves": entries}
   with open(os.path.join(folder, "state", INDEX), "w") as f:

@@ -17,7 +17,7 @@ from sexpgpu.ckpt import lock, manifest, orbax_io, remote, shards
 from sexpgpu.ckpt.where import (LOCAL_DONE, is_remote, join, reason, remote_fs, scrub,
                                 strip_scheme)
 from sexpgpu.errors import SxError
-from sexpgpu.retrying import call as retried
+from sexpgpu.retrying import call as retried, deadline_s
 
 
 # A remote run stages each save in a local folder named for its process, then uploads it.
@@ -353,7 +353,6 @@ class CheckpointStore:
       return None
 
     # the others may still be writing (and uploading, with its retries) their parts
-    from sexpgpu.retrying import deadline_s  # pylint: disable=import-outside-toplevel
     extra = deadline_s() if self.remote else 0.0
     values = nodes.exchange(f"ckpt-{step}-{phase}", value, judge, extra_s=extra)
     return {n: v["result"] for n, v in values.items()}
