@@ -12,12 +12,16 @@ import hashlib
 import json
 import os
 
+from sexpgpu.ckpt.where import COMMIT, LOCAL_DONE
 from sexpgpu.paths import write_atomic
 
 MANIFEST = "MANIFEST.json"
+# The top-level names a save writes into a step folder (orbax's, the shards', ours): a
+# folder holding anything else is not a save's, and no pruning or replacing deletes it.
+SAVE_FILES = frozenset({"state", "meta", LOCAL_DONE, MANIFEST, "_CHECKPOINT_METADATA", COMMIT})
 FORMAT = 1
 # files never listed: the manifest itself and the remote commit marker written after it
-UNLISTED = (MANIFEST, "COMMIT")
+UNLISTED = (MANIFEST, COMMIT)
 
 
 def _sha256(path: str) -> str:
@@ -71,6 +75,16 @@ def write(step_dir: str, step: int) -> dict:
   manifest = build(step_dir, step)
   write_atomic(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1), sync=True)
   return manifest
+
+
+def step_of(step_dir: str) -> int | None:
+  """The step a local step folder's manifest names, or None when it has none that parses."""
+  try:
+    with open(os.path.join(step_dir, MANIFEST), "rb") as f:
+      step = json.loads(f.read().decode("utf-8"))["step"]
+  except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+    return None
+  return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def problem(step_dir: str) -> str | None:

@@ -6,7 +6,7 @@ import json
 import os
 import posixpath
 
-from sexpgpu.ckpt.manifest import MANIFEST
+from sexpgpu.ckpt.manifest import MANIFEST, SAVE_FILES
 from sexpgpu.ckpt.where import COMMIT, LOCAL_DONE, join, reason, strip_scheme
 from sexpgpu.retrying import call as retried
 
@@ -120,12 +120,22 @@ def download(fs, remote_step: str, local_dir: str, only: str | None = None) -> N
   retried(f"download of {remote_step}", fs.get, files, targets, describe=reason)
 
 
+def only_save_files(fs, remote_step: str) -> bool:
+  """Whether every top-level entry of a remote step folder is one a save writes."""
+  key = strip_scheme(remote_step)
+  names = {posixpath.relpath(p, key).split("/", 1)[0] for p in fs.find(key)}
+  return bool(names) and names <= SAVE_FILES
+
+
 def retain(fs, run_dir: str, keep: int) -> None:
-  """Deletes all but the `keep` newest committed steps, and stale uncommitted ones."""
+  """Deletes all but the `keep` newest committed steps, and stale uncommitted ones that
+  hold only a save's files (a killed upload's): nothing else under the run folder."""
   done, partial = retried(f"listing of {run_dir}", steps, fs, run_dir, describe=reason)
   newest = done[-1] if done else None
   old = done[:-keep] if keep > 0 else []
-  stale = [s for s in partial if newest is not None and s < newest]
+  stale = [s for s in partial if newest is not None and s < newest
+           and retried(f"listing of {join(run_dir, s)}", only_save_files, fs, join(run_dir, s),
+                       describe=reason)]
   for step in old + stale:
     retried(f"removal of {join(run_dir, step)}", remove, fs, join(run_dir, step),
             describe=reason)

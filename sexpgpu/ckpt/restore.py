@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from sexpgpu.ckpt import manifest, orbax_io, remote, shards
-from sexpgpu.ckpt.store import latest_step_dir, local_steps
+from sexpgpu.ckpt.store import latest_step_dir
 from sexpgpu.ckpt.where import LOCAL_DONE, is_remote, join, reason, remote_fs, scrub
 from sexpgpu.errors import SxError
 
@@ -82,34 +82,54 @@ def _step_dir_of(path: str) -> str:
   return newest
 
 
-def _committed(run_dir: str, where: str) -> list[int]:
-  if not is_remote(run_dir):
-    return local_steps(run_dir)
-  latest_step_dir(run_dir, where)  # E-CKPT-003 when the location cannot be listed
-  return remote.steps(remote_fs(run_dir, where), run_dir)[0]
+def _step_folders(run_dir: str, where: str) -> list[tuple[int, str | None]]:
+  """Every step folder under run_dir, ascending: (step, None) for one whose save finished
+  (orbax's commit_success.txt locally, the COMMIT marker remotely), else (step, why not).
+
+  A save in progress locally writes into orbax's tmp folder, never into `<step>` itself, so
+  an integer-named folder without commit_success.txt is one that lost it.
+  """
+  if is_remote(run_dir):
+    latest_step_dir(run_dir, where)  # E-CKPT-003 when the location cannot be listed
+    done, partial = remote.steps(remote_fs(run_dir, where), run_dir)
+    return sorted([(s, None) for s in done] + [
+        (s, "it has no COMMIT marker (its upload never finished)") for s in partial])
+  try:
+    names = os.listdir(run_dir)
+  except OSError:
+    return []
+  found = []
+  for name in names:
+    folder = os.path.join(run_dir, name)
+    if name.isdigit() and os.path.isdir(folder):
+      done = os.path.isfile(os.path.join(folder, LOCAL_DONE))
+      found.append((int(name), None if done else
+                    f"it has no {LOCAL_DONE} (orbax never finished writing it)"))
+  return sorted(found)
 
 
 def newest_verified(run_dir: str, where: str) -> str | None:
-  """The newest step folder under run_dir whose files match its manifest, or None if none is
-  complete. Each newer one that does not verify is skipped with a line naming it and why.
+  """The newest step folder under run_dir whose files match its manifest, or None when there
+  is no step folder at all. Each newer one that cannot be verified (its save unfinished, a
+  file missing, changed or cut short) is skipped with a line naming it and why.
 
   Raises:
-    SxError: E-CKPT-003 when complete steps exist but none verifies, or the location
-      cannot be listed.
+    SxError: E-CKPT-003 when step folders exist but none verifies (each named with what
+      it lacks), or the location cannot be listed.
   """
   skipped = []
-  for step in reversed(_committed(run_dir, where)):
+  for step, unfinished in reversed(_step_folders(run_dir, where)):
     step_dir = join(run_dir, step)
-    why = problem(step_dir)
+    why = unfinished or problem(step_dir)
     if why is None:
       return step_dir
-    skipped.append(f"step {step}: {why}")
+    skipped.append(f"{scrub(step_dir)}: {why}")
     print(f"checkpoint: skipped {scrub(step_dir)}: {why}", file=sys.stderr, flush=True)
   if skipped:
-    raise SxError("E-CKPT-003", f"no checkpoint under {scrub(run_dir)} verifies: "
-                  + "; ".join(skipped), where=where,
-                  fix="start afresh without --resume (after moving the damaged folder away), "
-                  "or restore the files from a copy")
+    raise SxError("E-CKPT-003", f"no checkpoint under {scrub(run_dir)} verifies, so there "
+                  "is nothing to resume: " + "; ".join(skipped), where=where,
+                  fix="restore the files named from a copy, or move those step folders away "
+                  "and start afresh without --resume")
   return None
 
 

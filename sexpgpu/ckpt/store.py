@@ -17,6 +17,7 @@ from sexpgpu.ckpt import lock, manifest, orbax_io, remote, shards
 from sexpgpu.ckpt.where import (LOCAL_DONE, is_remote, join, reason, remote_fs, scrub,
                                 strip_scheme)
 from sexpgpu.errors import SxError
+from sexpgpu.lang.select import is_slug_component
 from sexpgpu.retrying import call as retried, deadline_s
 
 
@@ -111,8 +112,14 @@ class NotShared(OSError):
 
 def _retain_local(run_dir: str, keep: int) -> None:
   """Deletes all but the `keep` newest complete steps of a local run folder, and the
-  partial folders of sharded saves older than the newest (a killed run's)."""
-  done = local_steps(run_dir)
+  partial folders of sharded saves older than the newest (a killed run's).
+
+  Only what a checkpoint store wrote is ever deleted: a step folder whose manifest names
+  its own step, and a `<step>.partial` folder holding nothing but a save's own files. A
+  folder the user keeps beside them, even one named like a step, stays.
+  """
+  done = [s for s in local_steps(run_dir)
+          if manifest.step_of(os.path.join(run_dir, str(s))) == s]
   for step in done[:-keep] if keep > 0 else []:
     shutil.rmtree(os.path.join(run_dir, str(step)), ignore_errors=True)
   try:
@@ -121,8 +128,24 @@ def _retain_local(run_dir: str, keep: int) -> None:
     return
   for name in names:
     head = name[:-len(PARTIAL)] if name.endswith(PARTIAL) else ""
-    if head.isdigit() and done and int(head) < done[-1]:
+    if (head.isdigit() and done and int(head) < done[-1]
+        and _only_save_files(os.path.join(run_dir, name))):
       shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def _only_save_files(folder: str) -> bool:
+  """Whether every entry of a local folder is one a save writes (so deleting it loses
+  nothing of the user's)."""
+  try:
+    return all(name in manifest.SAVE_FILES for name in os.listdir(folder))
+  except OSError:
+    return False
+
+
+def is_own_step(step_dir: str) -> bool:
+  """Whether a local step folder is one a save wrote: orbax's commit_success.txt is there
+  and nothing but a save's own files, so replacing it loses nothing of the user's."""
+  return os.path.isfile(os.path.join(step_dir, LOCAL_DONE)) and _only_save_files(step_dir)
 
 
 class CheckpointStore:
@@ -146,6 +169,11 @@ class CheckpointStore:
       keep: how many newest complete checkpoints to keep (at least 1).
       where: the flag or variable that gave the location, named in errors.
     """
+    if not is_slug_component(slug):  # the run folder must lie inside the location
+      raise SxError("E-CKPT-004", f"the run slug {ascii(slug)} is not one folder name, so "
+                    "its checkpoints would not lie inside their location", where=where,
+                    fix="set SEXPGPU_RUN_SLUG to one folder name of letters, digits, `.`, `_`, "
+                    "`=` and `-`, or unset it")
     self.location = location
     self.slug = slug
     self.keep = max(1, int(keep))
@@ -233,7 +261,7 @@ class CheckpointStore:
     manager = self._get_manager()
     try:
       if step in manager.all_steps():
-        manager.delete(step)
+        self._replace_own(step, manager)
       manager.save(step, args=orbax_io.save_args(state, meta), force=True)
     except Exception as e:  # pylint: disable=broad-except
       raise self._save_error(step, e) from e
@@ -321,6 +349,8 @@ class CheckpointStore:
                             f"{scrub(self.run_dir)} is not one folder that every node sees")
         with open(os.path.join(folder, LOCAL_DONE), "w") as f:
           f.write("sexpgpu: every process wrote its shards")
+        if os.path.isdir(final) and not is_own_step(final):
+          raise OSError(f"{scrub(final)} holds files no save wrote: move it away")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(folder, final)
         manifest.write(final, step)  # the step counts from here on
@@ -369,7 +399,9 @@ class CheckpointStore:
         root, keep = os.path.join(self._staging_dir(), self.slug), None
       else:
         self.check_writable()  # a clean E-CKPT-004 before orbax tries
-        root, keep = self.run_dir, self.keep
+        # orbax would prune any integer-named folder it finds; _retain_local prunes only
+        # the step folders a save wrote
+        root, keep = self.run_dir, None
       try:
         self._manager = orbax_io.manager(root, keep, asynchronous=True)
       except Exception as e:  # pylint: disable=broad-except
@@ -378,6 +410,19 @@ class CheckpointStore:
                       f"{scrub(self.run_dir)}: {reason(e)}", where=self.where,
                       fix=self._write_fix()) from e
     return self._manager
+
+  def _replace_own(self, step: int, manager) -> None:
+    """Deletes an earlier run's folder of `step` before this save writes it again.
+
+    Raises:
+      SxError: E-CKPT-004 when that folder is not a save's (the user's files are in it).
+    """
+    folder = self.step_dir(step)
+    if not self.remote and os.path.isdir(folder) and not is_own_step(folder):
+      raise SxError("E-CKPT-004", f"cannot write checkpoint {scrub(folder)}: a folder of "
+                    "that name is there and holds files no save wrote", where=self.where,
+                    fix=f"move {scrub(folder)} away, or pass another --checkpoint-dir")
+    manager.delete(step)
 
   def _finish(self, step: int, started: float) -> None:
     """Background: waits for orbax, uploads when remote, prunes, records info."""
@@ -389,6 +434,7 @@ class CheckpointStore:
         local = os.path.join(self.run_dir, str(step))
         manifest.write(local, step)  # the step counts from here on
         size = _dir_bytes(local)
+        _retain_local(self.run_dir, self.keep)
       self._last = CheckpointInfo(step, self.step_dir(step), size,
                                   time.monotonic() - started)
     except BaseException as e:  # pylint: disable=broad-except

@@ -39,7 +39,7 @@ def guarded(path: str, variant, sets, overrides, diagnostics,
     SxError: every error of the build.
   """
   from sexpgpu.lang.program import load_program
-  from sexpgpu.lang.select import select
+  from sexpgpu.lang.select import run_slug_stem, select
   from sexpgpu.reader.read import deep_recursion
   try:
     with deep_recursion():
@@ -51,7 +51,7 @@ def guarded(path: str, variant, sets, overrides, diagnostics,
   try:
     program = load_program(path)
     selection = select(program, variant, list(sets), overrides,
-                       os.environ.get("SEXPGPU_RUN_SLUG") or None)
+                       run_slug_stem())
     blamed = blame(err, program, selection)
   except SxError:
     blamed = err  # the file itself does not load: the original error says why

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -244,6 +245,68 @@ def select(program: Program, variant: str | None = None, sets: list[tuple[str, s
   return Selection(knobs, variant, ordered, slug)
 
 
+# What a run slug may hold: every other character is written `_`.
+_NOT_SLUG = re.compile(r"[^A-Za-z0-9._=-]")
+# The longest slug: a folder name (255 bytes on most file systems) with room for the
+# `.status.json`, `.jsonl` and `.lock` names made from it.
+MAX_SLUG = 200
+_SLUG_FIX = ("set SEXPGPU_RUN_SLUG to one folder name of letters, digits, `.`, `_`, `=` and `-` "
+             f"(at most {MAX_SLUG} characters, not `.` or `..`), or unset it to use the "
+             "file's name")
+
+
+def slug_component(text: str) -> str:
+  """`text` as one safe path component: the one place a run slug is cleaned.
+
+  Characters outside [A-Za-z0-9._=-] become `_` (so no `/`, NUL or non-UTF-8 byte is
+  left); a name of dots only (`.`, `..`) or an empty one gets a `_` in front, so it never
+  names its own folder or the parent; a name past MAX_SLUG characters keeps its head and
+  a hash of the whole.
+  """
+  out = _NOT_SLUG.sub("_", text)
+  if out.strip(".") == "":
+    out = "_" + out
+  if len(out) > MAX_SLUG:
+    digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    out = out[:MAX_SLUG - 13] + "-" + digest
+  return out
+
+
+def is_slug_component(text: object) -> bool:
+  """Whether `text` is already one safe path component (slug_component keeps it as is)."""
+  return isinstance(text, str) and slug_component(text) == text
+
+
+def run_slug_stem(environ=None) -> str | None:
+  """SEXPGPU_RUN_SLUG, checked: the stem every slug of this process starts with, or None.
+
+  Spaces and other characters outside the slug's set are written `_` later (as in every
+  slug), but a value that names a path rather than one folder is refused: one with `/`,
+  `\\` or NUL, a name of dots only (`..` would put the run's folder above its location),
+  or one longer than MAX_SLUG.
+
+  Args:
+    environ: the environment to read (os.environ when None).
+
+  Raises:
+    SxError: E-ENV-001 naming SEXPGPU_RUN_SLUG, with the fix.
+  """
+  environ = os.environ if environ is None else environ
+  value = environ.get("SEXPGPU_RUN_SLUG") or None
+  if value is None:
+    return None
+  shown = ascii(value) if len(value) <= 60 else ascii(value[:60]) + "..."
+  if any(c in value for c in "/\\\0") or value.strip(".") == "":
+    raise SxError("E-ENV-001", f"SEXPGPU_RUN_SLUG={shown} is not one folder name: the "
+                  "run's files would land outside their location", where="SEXPGPU_RUN_SLUG",
+                  fix=_SLUG_FIX)
+  if len(value) > MAX_SLUG:
+    raise SxError("E-ENV-001", f"SEXPGPU_RUN_SLUG has {len(value)} characters, more than "
+                  f"the {MAX_SLUG} a run slug may have", where="SEXPGPU_RUN_SLUG",
+                  fix=_SLUG_FIX)
+  return value
+
+
 def _stem(path: str) -> str:
   base = os.path.basename(path)
   for ext in (".sxb", ".sx"):
@@ -253,6 +316,6 @@ def _stem(path: str) -> str:
 
 
 def make_slug(stem: str, variant: str | None, sets: list[tuple[str, Any]]) -> str:
-  """stem[-variant][-k=v ...], characters outside [A-Za-z0-9._=-] made `_`."""
+  """stem[-variant][-k=v ...] as one safe folder name (paths.slug_component)."""
   parts = [stem] + ([variant] if variant else []) + [f"{k}={format_value(v)}" for k, v in sets]
-  return re.sub(r"[^A-Za-z0-9._=-]", "_", "-".join(parts))
+  return slug_component("-".join(parts))

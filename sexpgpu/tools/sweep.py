@@ -112,9 +112,9 @@ def plan(opts: SweepOptions) -> list[Point]:
     SxError: read errors of the file, E-VARIANT-001, E-KNOB-001..003 for any point.
   """
   from sexpgpu.lang.program import load_program
-  from sexpgpu.lang.select import select
+  from sexpgpu.lang.select import run_slug_stem, select
   program = load_program(opts.file)
-  stem = os.environ.get("SEXPGPU_RUN_SLUG") or None
+  stem = run_slug_stem()
   overrides = {"steps": opts.steps, "eval-every": opts.eval_every}
   names = [n for n, _ in opts.grid]
   points = []
