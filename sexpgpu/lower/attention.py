@@ -1,29 +1,46 @@
 """The lowering of sdpa: cuDNN's fused attention or the Pallas flash kernel on a GPU, else XLA.
 
-Which one a shape gets is probed once by a tiny compile and cached; the choice
-and the reason go to the lowering report through `ctx.notes`.
+Which one a shape gets is probed once and cached: by a tiny compile on a CUDA
+machine, by lowering for CUDA elsewhere (`sexpgpu check --target cuda`). A probe
+builds what the step will build, under the sharded step's `vmap` over ranks when
+the step has one. The choice and the reason go to the lowering report through
+`ctx.notes`: `impl` is cudnn, pallas or xla; `kernel` names it more closely
+(cudnn, pallas-flash, pallas-segments, xla) and `backend` a Pallas kernel's.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from sexpgpu.ir.ops import OPS
+from sexpgpu.lower import cuda_target
 from sexpgpu.lower.registry import register_lowering
 
 _PROBES: dict[tuple, str | None] = {}
+# The ranks the sharded step's `jax.vmap` maps over while it traces (0: no such vmap).
+_RANKS: contextvars.ContextVar[int] = contextvars.ContextVar("sexpgpu_attention_ranks",
+                                                             default=0)
+
+
+@contextlib.contextmanager
+def under_rank_vmap(ranks: int):
+  """Marks what is traced inside as mapped over `ranks` by `jax.vmap` (the fsdp/hsdp step)."""
+  token = _RANKS.set(int(ranks))
+  try:
+    yield
+  finally:
+    _RANKS.reset(token)
 
 
 def _note(ctx, q, causal, segments=None) -> dict:
-  return {"kind": "attention", "impl": "xla", "dtype": jnp.dtype(ctx.compute_dtype(q)).name,
-          "causal": causal, "shape": tuple(q.shape), "why": "",
-          "mask": "segments" if segments is not None else ""}
-
-
-def _same_segment(segments):
-  """[b, 1, t, t]: the boolean mask of query-key pairs in one segment (cuDNN's `mask`)."""
-  return (segments[:, :, None] == segments[:, None, :])[:, None]
+  return {"kind": "attention", "impl": "xla", "kernel": "xla", "backend": "",
+          "dtype": jnp.dtype(ctx.compute_dtype(q)).name, "causal": causal,
+          "shape": tuple(q.shape), "why": "", "mask": "segments" if segments is not None else ""}
 
 
 def sdpa_any(ctx, q, k, v, segments=None, *, causal, scale):
@@ -35,122 +52,142 @@ def sdpa_any(ctx, q, k, v, segments=None, *, causal, scale):
 
 
 def sdpa_gpu(ctx, q, k, v, segments=None, *, causal, scale):
-  """sdpa on a GPU: cuDNN, else a Pallas kernel, else XLA; the choice goes to ctx.notes.
+  """sdpa on a GPU: cuDNN, else the Pallas flash kernel, else XLA; the choice goes to ctx.notes.
 
-  With segments, cuDNN takes them as a boolean mask and JAX's Pallas attention
-  (`pallas.ops.gpu.attention.mha`) as segment ids; our flash kernel takes none.
+  With segments (packed documents), cuDNN takes them as an additive bias and the
+  flash kernel as segment ids.
   """
   ct = ctx.compute_dtype(q)
   note = _note(ctx, q, causal, segments)
   masked = segments is not None
-  why = _cudnn_refusal(q.shape, k.shape, v.shape, ct, causal, scale, masked)
+  ranks = _RANKS.get()
+  shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+  why = _cudnn_refusal(*shapes, ct, causal, scale, masked, ranks)
   if why is None:
-    note["impl"] = "cudnn"
-    note["why"] = "segment mask as cuDNN's mask" if masked else ""
+    note.update(impl="cudnn", kernel="cudnn", why="segments as cuDNN's bias" if masked else "")
     ctx.notes.append(note)
     t = lambda x: jnp.transpose(x.astype(ct), (0, 2, 1, 3))  # [b, h, t, d] <-> [b, t, h, d]
-    out = jax.nn.dot_product_attention(t(q), t(k), t(v), scale=scale, is_causal=causal,
-                                       mask=_same_segment(segments) if masked else None,
-                                       implementation="cudnn")
-    return t(out).astype(q.dtype)
-  if masked:
-    mha, pallas_why = _pallas_segments(q.shape, k.shape, v.shape, ct, causal, scale)
-    note["why"] = f"cuDNN: {why}" + ("; segment ids to JAX's Pallas attention" if mha
-                                     else f"; Pallas: {pallas_why}; segment mask by XLA")
+    bias = _segment_bias(segments, q.shape[1], ct, ranks) if masked else None
+    return t(_cudnn(t(q), t(k), t(v), bias, causal, float(scale))).astype(q.dtype)
+  pallas_why = _pallas_refusal(*shapes, ct, causal, scale, masked, ranks)
+  if pallas_why is None:
+    from sexpgpu.lower.kernels import flash_attention as fa
+    note.update(impl="pallas", kernel="pallas-segments" if masked else "pallas-flash",
+                backend=fa.BACKEND, why=f"cuDNN: {why}")
     ctx.notes.append(note)
-    if mha is not None:
-      note["impl"] = "pallas"
-      return mha(q.astype(ct), k.astype(ct), v.astype(ct), segments).astype(q.dtype)
-    return OPS["sdpa"].lower(ctx, q, k, v, segments, causal=causal, scale=scale)
-  flash, pallas_why = _pallas_flash(q.shape, k.shape, v.shape, ct, causal, scale)
-  note["why"] = f"cuDNN: {why}" + ("" if flash else f"; Pallas: {pallas_why}")
+    return fa.flash_attention(q.astype(ct), k.astype(ct), v.astype(ct), segments,
+                              causal=causal, scale=scale).astype(q.dtype)
+  note["why"] = (f"cuDNN: {why}; Pallas: {pallas_why}"
+                 + ("; segment mask by XLA" if masked else ""))
   ctx.notes.append(note)
-  if flash is not None:
-    note["impl"] = "pallas"
-    return flash(q.astype(ct), k.astype(ct), v.astype(ct)).astype(q.dtype)
-  return OPS["sdpa"].lower(ctx, q, k, v, causal=causal, scale=scale)
+  return OPS["sdpa"].lower(ctx, q, k, v, segments, causal=causal, scale=scale)
+
+
+def _segment_bias(segments, heads: int, ct, ranks: int):
+  """[b, 1, t, t] (or [b, heads, t, t] under the ranks' vmap): 0 within a segment, the
+  dtype's lowest value across segments. jax 0.10.2's batching of cuDNN attention reshapes
+  a bias as [batch·ranks, heads, t, t], so under a vmap it must have every head."""
+  same = (segments[:, :, None] == segments[:, None, :])[:, None]
+  bias = jnp.where(same, jnp.asarray(0, ct), jnp.asarray(jnp.finfo(ct).min, ct))
+  if ranks:
+    bias = jnp.broadcast_to(bias, (bias.shape[0], heads) + bias.shape[2:])
+  return bias
+
+
+def _cudnn_call(q, k, v, bias, causal, scale):
+  return jax.nn.dot_product_attention(q, k, v, bias, scale=scale, is_causal=causal,
+                                      implementation="cudnn")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _cudnn(q, k, v, bias, causal, scale):
+  """cuDNN attention ([b, t, h, d]) whose backward sees a cotangent mapped as its output.
+
+  Under `jax.vmap`, a cotangent that is the same for every rank (the gradient of a
+  plain sum) reaches jax 0.10.2's batching of cuDNN's backward unmapped, which that
+  rule cannot reshape; adding zero times the (mapped) output maps it."""
+  return _cudnn_call(q, k, v, bias, causal, scale)
+
+
+def _cudnn_fwd(q, k, v, bias, causal, scale):
+  out, back = jax.vjp(lambda q, k, v: _cudnn_call(q, k, v, bias, causal, scale), q, k, v)
+  return out, (back, out, bias)
+
+
+def _cudnn_bwd(causal, scale, res, g):
+  back, out, bias = res
+  dq, dk, dv = back(g + (out * 0).astype(g.dtype))
+  return dq, dk, dv, None if bias is None else jnp.zeros_like(bias)
+
+
+_cudnn.defvjp(_cudnn_fwd, _cudnn_bwd)
 
 
 def _first_line(e: Exception) -> str:
   return (f"{type(e).__name__}: " + (str(e).strip().split("\n") or [""])[0])[:200]
 
 
-def _cudnn_refusal(qs, ks, vs, ct, causal, scale, masked=False) -> str | None:
-  """Why cuDNN will not take this attention (None: it will), probed by a tiny compile, cached."""
-  key = ("cudnn", tuple(qs), tuple(ks), tuple(vs), jnp.dtype(ct).name, causal, scale, masked)
+def _probe_grads(attend, qs, ks, vs, ct, masked, ranks):
+  """Builds value_and_grad of `attend(q, k, v, segments)` as the step will: each input
+  and the cotangent mapped over `ranks` by `jax.vmap` when the step maps them."""
+  lead = (ranks,) if ranks else ()
+  sds = [jax.ShapeDtypeStruct(lead + tuple(s), ct) for s in (qs, ks, vs)]
+  cot = jax.ShapeDtypeStruct(lead + tuple(qs[:3]) + (vs[3],), ct)
+  seg = jax.ShapeDtypeStruct(lead + (qs[0], qs[2]), jnp.int32) if masked else None
+
+  def loss(q, k, v, s, w):
+    return jnp.sum(attend(q, k, v, s).astype(jnp.float32) * w.astype(jnp.float32))
+
+  fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  if ranks:
+    fn = jax.vmap(fn, in_axes=(0, 0, 0, 0 if masked else None, 0))
+  cuda_target.probe(fn, *sds, seg, cot)
+
+
+def _cudnn_refusal(qs, ks, vs, ct, causal, scale, masked=False, ranks=0) -> str | None:
+  """Why cuDNN will not take this attention (None: it will), probed once, cached."""
+  key = ("cudnn", qs, ks, vs, jnp.dtype(ct).name, causal, scale, masked, ranks)
   if key not in _PROBES:
-    _PROBES[key] = _probe_cudnn(qs, ks, vs, ct, causal, scale, masked)
+    _PROBES[key] = _probe_cudnn(qs, ks, vs, ct, causal, scale, masked, ranks)
   return _PROBES[key]
 
 
-def _probe_cudnn(qs, ks, vs, ct, causal, scale, masked=False) -> str | None:
+def _probe_cudnn(qs, ks, vs, ct, causal, scale, masked=False, ranks=0) -> str | None:
   if jnp.dtype(ct) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"it takes bf16 or f16, not {jnp.dtype(ct).name}"
   if causal and qs[2] != ks[2]:
     return "causal attention with different query and key lengths"
-  t = lambda s: jax.ShapeDtypeStruct((s[0], s[2], s[1], s[3]), ct)
-  mask = jax.ShapeDtypeStruct((qs[0], 1, qs[2], ks[2]), jnp.bool_) if masked else None
+  t = lambda x: jnp.transpose(x, (0, 2, 1, 3))
 
-  def loss(q, k, v, mask):
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, mask=mask,
-                                       implementation="cudnn")
-    return jnp.sum(out.astype(jnp.float32))
+  def attend(q, k, v, s):
+    bias = _segment_bias(s, qs[1], ct, ranks) if s is not None else None
+    return t(_cudnn(t(q), t(k), t(v), bias, causal, float(scale)))
 
   try:
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(t(qs), t(ks), t(vs), mask).compile()
+    _probe_grads(attend, qs, ks, vs, ct, masked, ranks)
   except Exception as e:  # RuntimeError (no cuDNN), ValueError/NotImplementedError, XLA errors
     return _first_line(e)
   return None
 
 
-def _pallas_flash(qs, ks, vs, ct, causal, scale):
-  """(the Pallas flash attention for this configuration, None) or (None, why not)."""
-  key = ("pallas", tuple(qs), tuple(ks), tuple(vs), jnp.dtype(ct).name, causal, scale)
+def _pallas_refusal(qs, ks, vs, ct, causal, scale, masked=False, ranks=0) -> str | None:
+  """Why the Pallas flash kernel will not take this attention (None: it will), cached."""
+  key = ("pallas", qs, ks, vs, jnp.dtype(ct).name, causal, scale, masked, ranks)
+  if key in _PROBES:
+    return _PROBES[key]
   try:
     from sexpgpu.lower.kernels import flash_attention as fa
   except ImportError as e:
-    return None, _first_line(e)
-  why = fa.refusal(qs, ks, vs, causal)
+    return _first_line(e)
+  why = fa.refusal(qs, ks, vs, causal, ct, masked)
   if why is None:
-    if key not in _PROBES:
-      try:
-        sds = [jax.ShapeDtypeStruct(s, ct) for s in (qs, ks, vs)]
-        jax.jit(lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, scale=scale)
-                ).lower(*sds).compile()
-        _PROBES[key] = None
-      except Exception as e:  # a Triton refusal shows only when it compiles
-        _PROBES[key] = _first_line(e)
-    why = _PROBES[key]
-  if why is not None:
-    return None, why
-  return (lambda q, k, v: fa.flash_attention(q, k, v, causal=causal, scale=scale)), None
-
-
-def _pallas_segments(qs, ks, vs, ct, causal, scale):
-  """(JAX's Pallas attention with segment ids for this configuration, None) or (None, why not)."""
-  key = ("pallas-segments", tuple(qs), tuple(ks), tuple(vs), jnp.dtype(ct).name, causal, scale)
-  try:
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-  except ImportError as e:
-    return None, _first_line(e)
-  t = lambda x: jnp.transpose(x, (0, 2, 1, 3))  # [b, h, t, d] <-> [b, t, h, d]
-
-  def mha(q, k, v, segments):
-    return t(pallas_attention.mha(t(q), t(k), t(v), segments.astype(jnp.int32),
-                                  sm_scale=scale, causal=causal))
-
-  if key not in _PROBES:
+    attend = lambda q, k, v, s: fa.flash_attention(q, k, v, s, causal=causal, scale=scale)
     try:
-      sds = [jax.ShapeDtypeStruct(s, ct) for s in (qs, ks, vs)]
-      seg = jax.ShapeDtypeStruct((qs[0], qs[2]), jnp.int32)
-      loss = lambda q, k, v, s: jnp.sum(mha(q, k, v, s).astype(jnp.float32))
-      jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*sds, seg).compile()
-      _PROBES[key] = None
-    except Exception as e:  # a Triton or shape refusal shows only when it compiles
-      _PROBES[key] = _first_line(e)
-  if _PROBES[key] is not None:
-    return None, _PROBES[key]
-  return mha, None
+      _probe_grads(attend, qs, ks, vs, ct, masked, ranks)
+    except Exception as e:  # a lowering refusal (Triton's, a shape's)
+      why = _first_line(e)
+  _PROBES[key] = why
+  return why
 
 
 register_lowering("sdpa", sdpa_any)

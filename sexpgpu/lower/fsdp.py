@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sexpgpu.lower.attention import under_rank_vmap
 from sexpgpu.lower.step import TrainStep
 
 SHARDINGS = ("replicate", "fsdp", "hsdp")
@@ -193,7 +194,9 @@ class ShardedTrainStep(TrainStep):
       loss, grads, _, tapped = self._stacked_grads(params, bb, step, offset + r * per)
       return loss, grads, tapped
 
-    loss, grads, tapped = jax.vmap(rank)(batches, jnp.arange(self.ranks))
+    # attention's rules build (and probe) what batches under this vmap (lower/attention.py)
+    with under_rank_vmap(self.ranks):
+      loss, grads, tapped = jax.vmap(rank)(batches, jnp.arange(self.ranks))
     if self.carried:  # each node's sum, kept apart until the update sends it in bf16
       by_node = lambda g: jnp.sum(g.reshape((self.nodes, self.gpus) + g.shape[1:]), 1)
       grads = self._constrain(jax.tree_util.tree_map(by_node, grads),

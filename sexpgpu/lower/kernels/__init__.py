@@ -1,5 +1,8 @@
-"""Pallas kernels: flash attention and a chunked cross-entropy (forward passes).
+"""Pallas kernels: flash attention, forward and backward, on Triton.
 
-Each runs on the CPU with `interpret=True` (the tests do) and compiles through
-Triton on a GPU. `lower.attention` imports flash attention lazily, on a GPU only.
+Each runs on the CPU with `interpret=True` (the tests do) and lowers to one
+`__gpu$xla.gpu.triton` call a kernel on a GPU. `lower.attention` imports them
+lazily, where a step lowers for a GPU. A chunked cross-entropy kernel once lived
+here: no step used it (the `chunked-cross-entropy` op's `lax.scan` in
+`lower.xent` is what runs), so it was removed.
 """
