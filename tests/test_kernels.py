@@ -59,6 +59,20 @@ def test_flash_forward_and_gradients_match_reference(monkeypatch, dtype, tol, ca
                                rtol=0, atol=tol)
 
 
+def test_flash_pads_head_dims_that_are_no_power_of_two():
+  q, k, v, g = normal((1, 2, 32, 48), 1), normal((1, 2, 32, 48), 2), normal((1, 2, 32, 24), 3), \
+      normal((1, 2, 32, 24), 4)
+  flash = lambda q, k, v: flash_attention.flash_attention(q, k, v, causal=True, scale=0.2,
+                                                          interpret=True)
+  ref = lambda q, k, v: flash_attention.reference(q, k, v, causal=True, scale=0.2)
+  o1, vjp1 = jax.vjp(flash, q, k, v)
+  o0, vjp0 = jax.vjp(ref, q, k, v)
+  assert o1.shape == (1, 2, 32, 24)
+  for a, b in zip((o1,) + vjp1(g), (o0,) + vjp0(g)):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6)
+
+
 def test_flash_gradients_under_jit_equal_eager():
   q, k, v = normal((1, 2, 64, 16), 3), normal((1, 2, 64, 16), 4), normal((1, 2, 64, 16), 5)
   w = normal((1, 2, 64, 16), 6)
@@ -73,8 +87,10 @@ def test_flash_gradients_under_jit_equal_eager():
 def test_flash_refuses_shapes_it_does_not_take():
   ok = (1, 2, 64, 16)
   assert flash_attention.refusal(ok, ok, ok, True) is None
-  assert "power of two" in flash_attention.refusal((1, 2, 64, 12), (1, 2, 64, 12),
-                                                   (1, 2, 64, 12), True)
+  # head dims are padded to a power of two around the kernels, the kernels refuse others
+  assert flash_attention.refusal((1, 2, 64, 48), (1, 2, 64, 48), (1, 2, 64, 12), True) is None
+  assert "power of two" in flash_attention._refusal((1, 2, 64, 48), (1, 2, 64, 48),
+                                                    (1, 2, 64, 48), True, jnp.float32, False)
   assert "multiples" in flash_attention.refusal((1, 2, 100, 16), (1, 2, 100, 16),
                                                 (1, 2, 100, 16), False)
   assert "more queries" in flash_attention.refusal((1, 2, 128, 16), ok, ok, True)

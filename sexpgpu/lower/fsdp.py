@@ -265,15 +265,15 @@ class ShardedTrainStep(TrainStep):
     self._grads_exec, self._update_exec = grads, update
     return {"gradient call": grads, "update": update}
 
-  def lowered(self, state, batches):
-    """The step (or, stacked, its gradient call) lowered for abstract sharded inputs."""
+  def _lowering(self, state, batches):
+    """(the jitted step, or stacked its gradient call, its abstract sharded arguments)."""
     state, batches = self._place_state(state), self._placed(batches, "data")
     if self.fused:
-      return self._fused.lower(state, batches, self._stop_abstract())
+      return self._fused, (state, batches, self._stop_abstract())
     rep = NamedSharding(self.mesh, P())
     loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
     sums = self._abstract_sums(state["params"])
-    return self._grads.lower(state["params"], batches, state["step"], jnp.int32(0), loss, sums)
+    return self._grads, (state["params"], batches, state["step"], jnp.int32(0), loss, sums)
 
 
 def share(tree: Any) -> Any:

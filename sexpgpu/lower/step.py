@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -340,38 +341,85 @@ class TrainStep:
 
   def lowered(self, state, batches):
     """The fused step lowered for abstract inputs (for memory and cost analysis)."""
+    fn, args = self._lowering(state, batches)
+    return fn.lower(*args)
+
+  def _lowering(self, state, batches):
+    """(the jitted function that `lowered` lowers, its abstract placed arguments)."""
     state, batches = self._place_state(state), self._placed(batches, "data")
     if self.fused:
       extra = (self._stop_abstract(),) if self.ranks > 1 else ()
-      return self._fused.lower(state, batches, *extra)
+      return self._fused, (state, batches, *extra)
     loss, grads = self._placed(jax.eval_shape(self._zeros, state["params"]), "data")
-    return self._grads.lower(state["params"], batches, state["step"], jnp.int32(0), loss, grads)
+    return self._grads, (state["params"], batches, state["step"], jnp.int32(0), loss, grads)
+
+  def lowered_for_cuda(self, state, batches):
+    """The step (stacked: its gradient call) as a CUDA run lowers it, on any machine.
+
+    Built afresh with the GPU's lowering rules, so nothing traced here reaches this
+    step's own executables. Returns (the jax Lowered, the rules' notes).
+    """
+    from sexpgpu.lower.cuda_target import lower_for_cuda
+    step = dataclasses.replace(self, platform="gpu")
+    fn, args = step._lowering(state, batches)
+    return lower_for_cuda(fn, *args), step.notes
 
 
 class PassStep:
-  """All of a pass's metrics for one batch, in one jitted call (no dropout)."""
+  """All of a pass's metrics for one batch, in one jitted call (no dropout).
+
+  Its lowering rules are those of the platform its arguments live on (the run's
+  device), not JAX's default backend: a `--device cpu` run on a GPU host keeps the
+  CPU's rules in its passes.
+  """
 
   def __init__(self, graphs: dict[str, Graph], precision: str, platform: str | None = None):
     self.graphs = graphs
     self.precision = precision
-    self.platform = platform  # None: the default backend's, asked when the pass is traced
-    self._fn = jax.jit(self._metrics)
+    self.platform = platform  # None: the platform of the devices its arguments live on
+    self.notes: list = []  # what lowering rules chose, as the train step's notes
+    self._fns: dict[str, Callable] = {}
+    self._exec = None
 
-  def _metrics(self, params, batch):
-    # traced with the parameters on their device, so the default backend is started
-    ctx = LowerCtx(self.precision, None, False, platform=self.platform or jax.default_backend())
+  def _fn(self, platform: str):
+    if platform not in self._fns:
+      self._fns[platform] = jax.jit(functools.partial(self._metrics, platform))
+    return self._fns[platform]
+
+  def _metrics(self, platform, params, batch):
+    ctx = LowerCtx(self.precision, None, False, self.notes, platform)
     return {name: run_graph(g, params, batch, ctx)["out"].astype(jnp.float32)
             for name, g in self.graphs.items()}
 
+  def platform_of(self, params, batch) -> str:
+    """The platform whose rules lower the pass for these arguments: the one given, else
+    that of the devices the arguments (or their abstract shardings) name, else that of
+    JAX's default device."""
+    if self.platform is not None:
+      return self.platform
+    for x in jax.tree_util.tree_leaves((params, batch)):
+      sharding = getattr(x, "sharding", None)
+      if sharding is not None:
+        return next(iter(sharding.device_set)).platform
+    default = jax.config.jax_default_device
+    if default is not None and not isinstance(default, str):
+      return default.platform
+    return jax.default_backend()
+
   def compile(self, params, batch):
     """Compiles the pass for abstract inputs; later calls use the executable."""
-    self._exec = self._fn.lower(params, batch).compile()
+    self._exec = self._fn(self.platform_of(params, batch)).lower(params, batch).compile()
     return self._exec
 
+  def lowered_for_cuda(self, params, batch):
+    """The pass as a CUDA run lowers it, on any machine: the jax Lowered."""
+    from sexpgpu.lower.cuda_target import lower_for_cuda
+    return lower_for_cuda(self._fn("gpu"), params, batch)
+
   def __call__(self, params, batch):
-    if getattr(self, "_exec", None) is not None:
+    if self._exec is not None:
       return self._exec(params, batch)
-    return self._fn(params, batch)
+    return self._fn(self.platform_of(params, batch))(params, batch)
 
 
 def init_state(params: dict, optimizer: optax.GradientTransformation) -> dict:

@@ -10,10 +10,22 @@ from sexpgpu.run.compile import compile_file
 
 
 def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None = None,
-          device: str = "cpu", overrides: dict | None = None, fn: str | None = None) -> str:
+          device: str = "cpu", overrides: dict | None = None, fn: str | None = None,
+          target: str | None = None, gpu: str | None = None) -> str:
   """The text `sexpgpu check` prints: a summary, or knobs / params / ir / jaxpr / hlo / plan
-  / decode (how `sample` decodes `fn`, by default the one function of tokens to logits)."""
+  / decode (how `sample` decodes `fn`, by default the one function of tokens to logits).
+
+  With `target="cuda"` the summary (and `hlo`, `plan`) is the run's steps lowered for
+  CUDA on this machine, reported as a CUDA run reports them (`run.cuda_check`); `gpu`
+  names a card for a roofline estimate.
+  """
+  if target is not None or gpu is not None:
+    from sexpgpu.run.cuda_check import check_target
+    check_target(target or "cuda", gpu)
   c = compile_file(path, variant, sets, overrides, diagnostics)
+  if (target is not None or gpu is not None) and what in (None, "hlo", "plan"):
+    from sexpgpu.run.cuda_check import cuda_text
+    return cuda_text(c, gpu, what)
   if what == "decode":
     from sexpgpu.models import decode, sample, source
     fn = fn or source.default_fn(c)

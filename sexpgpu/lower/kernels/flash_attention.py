@@ -59,11 +59,23 @@ def shared_bytes(d: int, dv: int, itemsize: int, tq: int, tk: int) -> int:
   return _tiles_bytes(*_blocks(tq, tk, d, dv, itemsize), d, dv, itemsize)
 
 
+def padded(n: int) -> int:
+  """A head dim as the kernels take it: the next power of two, at least 16."""
+  return max(16, 1 << max(n - 1, 0).bit_length())
+
+
 def refusal(q_shape, k_shape, v_shape, causal: bool, dtype=jnp.float32,
             segments: bool = False) -> str | None:
-  """Why the kernel does not take these shapes (None: it does)."""
+  """Why `flash_attention` does not take these shapes (None: it does); it pads head dims
+  to a power of two (`padded`) for the kernels."""
   if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
     return "it takes [batch, heads, seq, dim]"
+  return _refusal(q_shape[:3] + (padded(q_shape[3]),), k_shape[:3] + (padded(k_shape[3]),),
+                  v_shape[:3] + (padded(v_shape[3]),), causal, dtype, segments)
+
+
+def _refusal(q_shape, k_shape, v_shape, causal, dtype, segments) -> str | None:
+  """Why the kernels themselves do not take these shapes (None: they do)."""
   (b, h, tq, d), (_, hk, tk, _), dv = q_shape, k_shape, v_shape[-1]
   if hk != h:
     return f"{h} query heads against {hk} key heads"
@@ -219,7 +231,7 @@ def _seg_spec(seq: int):
 
 
 def _check(q, k, v, causal, segments, interpret):
-  why = refusal(q.shape, k.shape, v.shape, causal, q.dtype, segments is not None)
+  why = _refusal(q.shape, k.shape, v.shape, causal, q.dtype, segments is not None)
   if why is not None and not interpret:
     raise ValueError(f"flash attention: {why}")
   b, h, tq, d = q.shape
@@ -350,6 +362,15 @@ def flash_attention(q, k, v, segments=None, *, causal: bool, scale: float,
                     interpret: bool = False):
   """Differentiable flash attention: the Pallas forward and the Pallas backward.
 
+  Head dims that are no power of two ≥ 16 are zero-padded to one (`padded`) around
+  the kernels: padded query and key columns add nothing to the scores, padded value
+  columns are cut from the output.
+
   Args: as `flash_forward`. Returns: the attention's output in q's dtype.
   """
-  return _flash(q, k, v, segments, causal, float(scale), interpret)
+  d, dv = q.shape[-1], v.shape[-1]
+  pad = lambda x, n: x if n == x.shape[-1] else jnp.pad(
+      x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+  q, k, v = pad(q, padded(d)), pad(k, padded(d)), pad(v, padded(dv))
+  out = _flash(q, k, v, segments, causal, float(scale), interpret)
+  return out if out.shape[-1] == dv else out[..., :dv]
