@@ -64,6 +64,10 @@ def _check_flags() -> flags.FlagValues:
                       flag_values=fv)
   flags.DEFINE_integer("steps", None, "replaces defrun :steps", flag_values=fv)
   flags.DEFINE_integer("eval_every", None, "replaces every pass's :every", flag_values=fv)
+  flags.DEFINE_string("target", None, "cuda: lower the run's steps for that platform here and "
+                      "report what a run there would use", flag_values=fv)
+  flags.DEFINE_string("gpu", None, "with --target cuda: a roofline estimate for A100, H100, "
+                      "H200, L4, L40S or B200", flag_values=fv)
   return fv
 
 
@@ -166,7 +170,7 @@ def cmd_check(argv: list[str]) -> int:
   sets = _sets(fv.set)
   text = guarded(path, fv.variant, sets, overrides, fv.diagnostics,
                          lambda: check(path, fv.variant, sets, fv.diagnostics, fv.print, device,
-                                       overrides, fv.fn))
+                                       overrides, fv.fn, fv.target, fv.gpu))
   output.write(sys.stdout, text)
   return 0
 
