@@ -1,6 +1,6 @@
 """sexpgpu: an experiment compiler. One `.sx` file in, a training run on XLA out."""
 
-__all__ = ["Experiment", "Loc", "State", "SxError", "compile", "compile_text"]
+__all__ = ["Experiment", "Loc", "State", "SxError", "compile", "compile_text", "op"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,7 @@ def __getattr__(name: str):
   if name in ("Experiment", "State", "compile", "compile_text"):
     from sexpgpu import api
     return getattr(api, name)
+  if name == "op":
+    from sexpgpu import userops
+    return userops.op
   raise AttributeError(f"module 'sexpgpu' has no attribute {name!r}")

@@ -140,6 +140,11 @@ _ENTRIES = (
           "give UTF-8 text: .txt, .jsonl with the text --field, or .parquet"),
     Entry("E-TOK-002", "a tokenizer named instead of given as a file",
           "give a tokenizer.json file; nothing is downloaded"),
+    # ops written in Python
+    Entry("E-OP-001",
+          "an op written in Python failed: its file raised while loading, its declaration "
+          "is one the table cannot take, or it raised at a call (the Python file and line)",
+          "fix the op's Python file (SEXPGPU_DEBUG=1 prints the whole traceback)"),
     # models in and out (55-models.md)
     Entry("E-SAMPLE-001",
           "`sample` cannot tell which function maps tokens to logits (the candidates listed) "

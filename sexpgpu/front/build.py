@@ -409,8 +409,11 @@ class Builder:
     return node
 
   def op(self, name: str, inputs: list, attrs: dict, call: Call | None, form: Form = None,
-         operand_names: list[str] | None = None) -> Node:
-    """Makes a node of primitive `name`, checking shapes and dtypes by its lowering."""
+         operand_names: list[str] | None = None, fix: str | None = None) -> Node:
+    """Makes a node of primitive `name`, checking shapes and dtypes by its lowering.
+
+    `fix` replaces the generic fix of a refusal (an op's usage, for one read from its
+    declaration)."""
     form = form if form is not None else call.form
     attrs_t = tuple(sorted(attrs.items()))
     in_types = tuple(("T", i.dtype, i.shape) if is_tensor(i) else literal_type(i) for i in inputs)
@@ -418,7 +421,7 @@ class Builder:
       dtype, shape = infer(name, attrs_t, in_types)
     except ShapeRuleError as e:
       names = operand_names or ([_short(f) for f in call.arg_forms] if call else [])
-      raise self.shape_error(name, e.kind, e.message, inputs, names, form.loc) from None
+      raise self.shape_error(name, e.kind, e.message, inputs, names, form.loc, fix) from None
     return self._intern(name, inputs, attrs_t, dtype, shape, form.loc)
 
   def shape_error(self, name: str, kind: str, message: str, inputs: list, names: list[str],
@@ -427,7 +430,9 @@ class Builder:
     for i, v in enumerate(inputs):
       nm = names[i] if i < len(names) else f"#{i}"
       ops.append(f"{nm} {v.type_str}" if is_tensor(v) else f"{nm} {v!r}")
-    code = "E-TYPE-001" if kind == "type" else "E-SHAPE-001"
+    code = {"type": "E-TYPE-001", "op": "E-OP-001"}.get(kind, "E-SHAPE-001")
+    if kind == "op":
+      fix = "fix the op's Python function (SEXPGPU_DEBUG=1 prints the whole traceback)"
     if fix is None:
       fix = ("convert one operand with (cast X f32) so the dtypes agree" if kind == "type" else
              "make the operands' shapes fit the operation")

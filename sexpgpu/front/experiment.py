@@ -10,6 +10,7 @@ from sexpgpu.data import KINDS as LOADER_CLASSES, keywords as loader_keywords, t
 from sexpgpu.data.spec import LoaderSpec, bind_args
 from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
+from sexpgpu.front import pyops
 from sexpgpu.front.prims import BUILTINS, DTYPE_VALUES
 from sexpgpu.front.values import Closure, Env, ParamRef, Spec
 from sexpgpu.lang.program import Program, literal_value, split_keywords
@@ -126,6 +127,8 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
   """
   knobs = {k: v.value for k, v in selection.knobs.items()}
   env = global_env({k: v for k, v in knobs.items() if k in program.knobs})
+  for display, (path, loc) in program.python.items():
+    env.parent.vars.update(pyops.load(display, path, program.sources[display], loc))
   b = Builder(env)
   loaders: dict[str, LoaderDecl] = {}
   passes: dict[str, PassDecl] = {}

@@ -9,7 +9,8 @@ from typing import Any, Callable
 from sexpgpu.errors import SxError
 from sexpgpu.front.build import Builder, Call, describe, is_number, is_tensor, static_shape
 from sexpgpu.ir.graph import Init
-from sexpgpu.ir.ops import DTYPES
+from sexpgpu.front import declared
+from sexpgpu.ir.ops import DTYPES, OPS
 from sexpgpu.front.values import Builtin, Spec
 from sexpgpu.reader import Symbol
 
@@ -180,8 +181,8 @@ def _axes(call: Call, x, i: int):
 
 def _reduction(op: str):
   def fn(b, call):
-    kw = _kw(call, ("keep",))
-    _arity(call, 1, 2, f"({op} X AXES :keep false)")
+    kw = _kw(call, OPS[op].keywords)
+    _arity(call, 1, 2, OPS[op].usage())
     x = _tensor(b, call, 0)
     axes = _axes(call, x, 1)
     if op == "argmax":
@@ -409,7 +410,7 @@ def _dropout(b, call):
 
 @builtin("cross-entropy")
 def _cross_entropy(b, call):
-  kw = _kw(call, ("mask",))
+  kw = _kw(call, OPS["cross-entropy"].keywords)
   _arity(call, 2, 2, "(cross-entropy LOGITS TARGETS :mask M)")
   logits, targets = _tensor(b, call, 0), _tensor(b, call, 1, "integer targets")
   names = [str(f) for f in call.arg_forms]
@@ -431,7 +432,7 @@ def _cross_entropy(b, call):
 
 @builtin("sdpa")
 def _sdpa(b, call):
-  kw = _kw(call, ("causal", "scale"))
+  kw = _kw(call, OPS["sdpa"].keywords)
   _arity(call, 3, 3, "(sdpa Q K V :causal true :scale S)")
   q, k, v = (_tensor(b, call, i) for i in range(3))
   scale = kw.get("scale", 1.0 / math.sqrt(q.shape[-1]))
@@ -442,7 +443,7 @@ def _sdpa(b, call):
 # --- constants ---------------------------------------------------------------
 def _filled(value):
   def fn(b, call):
-    kw = _kw(call, ("dtype",))
+    kw = _kw(call, OPS["full"].keywords)
     _arity(call, 1, 1, f"({call.name} SHAPE :dtype f32)")
     shape = static_shape(call.args[0], call.arg_forms[0])
     return b.op("full", [], {"shape": shape, "value": value, "dtype": str(kw.get("dtype", "f32"))},
@@ -456,7 +457,7 @@ BUILTINS["ones"] = Builtin("ones", _filled(1.0))
 
 @builtin("full")
 def _full(b, call):
-  kw = _kw(call, ("dtype",))
+  kw = _kw(call, OPS["full"].keywords)
   _arity(call, 2, 2, "(full SHAPE V)")
   shape = static_shape(call.args[0], call.arg_forms[0])
   v = call.args[1]
@@ -535,3 +536,7 @@ for _name, _allowed in SCHEDULES.items():
 
 # dtype names evaluate to themselves, for (cast x bf16) and :dtype
 DTYPE_VALUES = {name: Symbol(name) for name in DTYPES}
+
+
+# every declared op without a front end above is read from its declaration
+BUILTINS.update(declared.builtins(BUILTINS))

@@ -1,97 +1,55 @@
-"""The IR's vocabulary: every primitive, registered once with its reference rule.
+"""The IR's vocabulary: every primitive, declared once with its signature and reference rule.
 
 A primitive's reference rule is plain JAX that says what the op computes; its
 shape rule is that rule evaluated abstractly (see `ir.shapes`), so this table
 is the single definition of what an op does. How an op is lowered on a given
 platform (a custom gradient, cuDNN, a Pallas kernel) is backend policy and
-lives in `sexpgpu.lower`, registered with `register_lowering`.
+lives in `sexpgpu.lower`, registered with `register_lowering`; its FLOPs, its
+decode rule and its front end are tables of their own modules, and
+tests/test_op_table.py checks that every op has an entry in each.
+
+The ops that routing, recurrences, convolutions and random draws need are
+declared in `ir.ops_select`, `ir.ops_conv` and `ir.ops_random`, imported at
+the end of this module.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "i32": jnp.int32,
-          "u32": jnp.uint32, "bool": jnp.bool_}
-DTYPE_NAMES = {np.dtype(v).name: k for k, v in DTYPES.items()}
+from sexpgpu.ir.opdef import (DTYPE_NAMES, DTYPES, OPS, REQUIRED, Attr, LowerCtx, OpDef,  # noqa: F401
+                              dtype_name, register)
 
 
-def dtype_name(dtype: Any) -> str:
-  """The IR's short name of a numpy/jax dtype ("f32", "i32", ...)."""
-  return DTYPE_NAMES[np.dtype(dtype).name]
-
-
-@dataclasses.dataclass
-class LowerCtx:
-  """What a lowering rule may consult besides its inputs and attributes.
-
-  Attributes:
-    precision: "f32", or "bf16" to compute products and attention in bf16.
-    rng: the PRNG key of this microbatch (None in passes and shape rules).
-    training: False in passes (dropout is off) and in shape rules.
-    notes: what rules chose where a choice was made (for the lowering report).
-    platform: the device the step runs on ("cpu", "gpu"), where a rule lowers
-      differently for it; None when unknown (shape rules, passes).
-  """
-
-  precision: str = "f32"
-  rng: Any = None
-  training: bool = False
-  notes: list = dataclasses.field(default_factory=list)
-  platform: str | None = None
-
-  def compute_dtype(self, x):
-    return jnp.bfloat16 if self.precision == "bf16" and x.dtype == jnp.float32 else x.dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class OpDef:
-  """One primitive: its name, how many tensor inputs, and its lowering."""
-
-  name: str
-  lower: Callable[..., Any]  # the reference rule `rule(ctx, *inputs, **attrs)`
-  min_inputs: int
-  max_inputs: int | None  # None: any number
-  doc: str
-
-
-OPS: dict[str, OpDef] = {}
-
-
-def register(name: str, min_inputs: int, max_inputs: int | None, doc: str):
-  """Registers the reference rule `rule(ctx, *inputs, **attrs)` of op `name`."""
-
-  def deco(fn):
-    if name in OPS:
-      raise ValueError(f"op {name} registered twice")
-    OPS[name] = OpDef(name, fn, min_inputs, max_inputs, doc)
-    return fn
-
-  return deco
-
-
-def _binary(name, fn, doc):
-  register(name, 2, 2, doc)(lambda ctx, a, b: fn(a, b))
+def _binary(name, fn, doc, written=None):
+  register(name, ("a", "b"), doc, written=written)(lambda ctx, a, b: fn(a, b))
 
 
 def _unary(name, fn, doc):
-  register(name, 1, 1, doc)(lambda ctx, a: fn(a))
+  register(name, ("x",), doc)(lambda ctx, a: fn(a))
+
+
+def _logical(fn):
+  def rule(ctx, *xs):
+    if any(x.dtype != jnp.bool_ for x in xs):
+      raise TypeError("takes boolean tensors; compare first, as (< a b), or (cast x bool)")
+    return fn(*xs)
+  return rule
 
 
 # --- elementwise -------------------------------------------------------------
-_binary("+", jnp.add, "sum, broadcasting")
-_binary("-", jnp.subtract, "difference, broadcasting")
-_binary("*", jnp.multiply, "product, broadcasting")
-_binary("/", jnp.divide, "quotient, broadcasting")
+_binary("+", jnp.add, "sum, broadcasting", "(+ A B ...)")
+_binary("-", jnp.subtract, "difference, broadcasting; (- A) negates", "(- A B)")
+_binary("*", jnp.multiply, "product, broadcasting", "(* A B ...)")
+_binary("/", jnp.divide, "quotient, broadcasting; of static ints an int if exact")
 _binary("pow", jnp.power, "power")
 _binary("max", jnp.maximum, "elementwise maximum")
 _binary("min", jnp.minimum, "elementwise minimum")
+_binary("mod", jnp.remainder, "remainder of A / B with B's sign (Python's %)")
 _unary("neg", jnp.negative, "negation")
 _unary("abs", jnp.abs, "absolute value")
 _unary("exp", jnp.exp, "e to the x")
@@ -106,6 +64,22 @@ _unary("sigmoid", jax.nn.sigmoid, "logistic sigmoid")
 _unary("relu", jax.nn.relu, "max(x, 0)")
 _unary("gelu", jax.nn.gelu, "GELU, tanh approximation")
 _unary("silu", jax.nn.silu, "x * sigmoid(x)")
+_unary("erf", jax.lax.erf, "the error function")
+_unary("softplus", jax.nn.softplus, "log(1 + e^x), computed stably")
+_unary("log1p", jnp.log1p, "log(1 + x), accurate near 0")
+_unary("expm1", jnp.expm1, "e^x - 1, accurate near 0")
+_unary("floor", jnp.floor, "the largest integer not above x (zero gradient)")
+_unary("ceil", jnp.ceil, "the smallest integer not below x (zero gradient)")
+_unary("round", jnp.round, "the nearest integer, halves to even (zero gradient)")
+_unary("sign", jnp.sign, "-1, 0 or 1")
+_unary("isfinite", jnp.isfinite, "whether x is neither infinite nor NaN (bool)")
+_unary("stop-gradient", jax.lax.stop_gradient, "x itself, with no gradient through it")
+register("logical-not", ("x",), "elementwise not of a boolean tensor")(
+    lambda ctx, x: _logical(jnp.logical_not)(ctx, x))
+register("logical-and", ("a", "b"), "elementwise and of boolean tensors, broadcasting")(
+    lambda ctx, a, b: _logical(jnp.logical_and)(ctx, a, b))
+register("logical-or", ("a", "b"), "elementwise or of boolean tensors, broadcasting")(
+    lambda ctx, a, b: _logical(jnp.logical_or)(ctx, a, b))
 _binary("<", jnp.less, "less than")
 _binary("<=", jnp.less_equal, "less or equal")
 _binary(">", jnp.greater, "greater than")
@@ -114,19 +88,32 @@ _binary("=", jnp.equal, "equal")
 _binary("!=", jnp.not_equal, "not equal")
 
 
-@register("where", 3, 3, "C ? A : B elementwise")
+@register("where", ("c", "a", "b"), "C ? A : B elementwise")
 def _where(ctx, c, a, b):
   return jnp.where(c, a, b)
 
 
-@register("cast", 1, 1, "convert to a dtype")
+@register("cast", ("x",), "convert to a dtype",
+          (Attr("dtype", "dtype", doc="the dtype", positional=True),))
 def _cast(ctx, x, *, dtype):
   return x.astype(DTYPES[dtype])
 
 
+@register("clip", ("x",), "x limited to [min, max] (either may be left out)",
+          (Attr("min", "float", None, "the lower limit"),
+           Attr("max", "float", None, "the upper limit")))
+def _clip(ctx, x, *, min=None, max=None):  # noqa: A002 (the language's keywords)
+  return jnp.clip(x, min, max)
+
+
 # --- reductions --------------------------------------------------------------
+_AXES = Attr("axes", "axes", None, "the axes reduced (nil: all)", positional=True)
+_KEEP = Attr("keep", "bool", False, "keep the reduced axes with size 1")
+
+
 def _reduction(name, fn, doc):
-  register(name, 1, 1, doc)(lambda ctx, x, *, axes, keep: fn(x, axis=axes, keepdims=keep))
+  register(name, ("x",), doc, (_AXES, _KEEP), written=f"({name} X [AXES] :keep false)")(
+      lambda ctx, x, *, axes, keep: fn(x, axis=axes, keepdims=keep))
 
 
 _reduction("sum", jnp.sum, "sum over axes")
@@ -136,66 +123,124 @@ _reduction("min-of", jnp.min, "minimum over axes")
 _reduction("logsumexp", jax.nn.logsumexp, "log of the sum of exponentials")
 
 
-@register("argmax", 1, 1, "index of the maximum along one axis (int32)")
+@register("argmax", ("x",), "index of the maximum along one axis (int32)",
+          (Attr("axis", "axis", None, "the axis (nil: the flattened tensor)", positional=True),
+           _KEEP), written="(argmax X AXIS)")
 def _argmax(ctx, x, *, axis, keep):
   return jnp.argmax(x, axis=axis, keepdims=keep).astype(jnp.int32)
 
 
 # --- shape -------------------------------------------------------------------
-@register("reshape", 1, 1, "same elements, new shape")
+@register("reshape", ("x",), "same elements, new shape",
+          (Attr("shape", "shape", doc="the new shape", positional=True),))
 def _reshape(ctx, x, *, shape):
   return jnp.reshape(x, shape)
 
 
-@register("transpose", 1, 1, "permute axes")
+@register("transpose", ("x",), "permute axes (all reversed when PERM is left out)",
+          (Attr("perm", "ints", doc="the permutation", positional=True),),
+          written="(transpose X [PERM])")
 def _transpose(ctx, x, *, perm):
   return jnp.transpose(x, perm)
 
 
-@register("concat", 1, None, "join along an axis")
+@register("concat", ("xs*",), "join along an axis",
+          (Attr("axis", "axis", 0, "the axis", positional=True),),
+          written="(concat [X Y ...] AXIS)")
 def _concat(ctx, *xs, axis):
   return jnp.concatenate(xs, axis=axis)
 
 
-@register("slice", 1, 1, "X[start:end] along one axis")
+@register("slice", ("x",), "X[start:end] along one axis; END nil to the end",
+          (Attr("axis", "axis", doc="the axis", positional=True),
+           Attr("start", "int", doc="the first index", positional=True),
+           Attr("end", "int", doc="one past the last", positional=True)),
+          written="(slice X AXIS START END)")
 def _slice(ctx, x, *, axis, start, end):
   return jax.lax.slice_in_dim(x, start, end, axis=axis)
 
 
-@register("take", 2, 2, "gather rows of X (axis 0) at integer indices")
+@register("take", ("table", "indices"), "gather rows of TABLE (axis 0) at integer indices")
 def _take(ctx, x, idx):
   return jnp.take(x, idx, axis=0)
 
 
-@register("one-hot", 1, 1, "one-hot encoding (f32)")
+@register("one-hot", ("x",), "one-hot encoding (f32)",
+          (Attr("n", "int", doc="the number of classes", positional=True),))
 def _one_hot(ctx, x, *, n):
   return jax.nn.one_hot(x, n, dtype=jnp.float32)
 
 
-@register("expand", 1, 1, "insert an axis of size 1")
+@register("expand", ("x",), "insert an axis of size 1",
+          (Attr("axis", "int", doc="where the new axis goes", positional=True),))
 def _expand(ctx, x, *, axis):
   return jnp.expand_dims(x, axis)
 
 
-@register("squeeze", 1, 1, "remove an axis of size 1")
+@register("squeeze", ("x",), "remove an axis of size 1",
+          (Attr("axis", "axis", doc="the axis removed", positional=True),))
 def _squeeze(ctx, x, *, axis):
   return jnp.squeeze(x, axis)
 
 
-@register("broadcast", 1, 1, "broadcast to a shape")
+@register("broadcast", ("x",), "broadcast to a shape (new axes in front)",
+          (Attr("shape", "shape", doc="the shape", positional=True),))
 def _broadcast(ctx, x, *, shape):
   return jnp.broadcast_to(x, shape)
 
 
+@register("tril", ("x",), "the lower triangle of the last two axes, the rest zero",
+          (Attr("k", "int", 0, "the diagonal kept last (0 the main one, 1 above it)"),))
+def _tril(ctx, x, *, k):
+  if x.ndim < 2:
+    raise ValueError("needs at least 2 axes")
+  return jnp.tril(x, k)
+
+
+@register("triu", ("x",), "the upper triangle of the last two axes, the rest zero",
+          (Attr("k", "int", 0, "the diagonal kept first (0 the main one, -1 below it)"),))
+def _triu(ctx, x, *, k):
+  if x.ndim < 2:
+    raise ValueError("needs at least 2 axes")
+  return jnp.triu(x, k)
+
+
+@register("flip", ("x",), "reverse the order along an axis",
+          (Attr("axis", "axis", -1, "the axis"),))
+def _flip(ctx, x, *, axis):
+  return jnp.flip(x, axis)
+
+
+@register("tile", ("x",), "repeat the whole tensor REPS times along each axis",
+          (Attr("reps", "shape", REQUIRED, "copies along each axis (as many as X has)"),))
+def _tile(ctx, x, *, reps):
+  if len(reps) != x.ndim:
+    raise ValueError(f"reps has {len(reps)} entries for {x.ndim} axes")
+  return jnp.tile(x, reps)
+
+
+@register("pad", ("x",), "pad with a constant, [lo hi] positions an axis",
+          (Attr("widths", "pairs", REQUIRED, "[[lo hi] ...], one pair an axis"),
+           Attr("value", "float", 0.0, "the value padded with")))
+def _pad(ctx, x, *, widths, value):
+  if len(widths) != x.ndim:
+    raise ValueError(f"widths has {len(widths)} pairs for {x.ndim} axes")
+  if any(lo < 0 or hi < 0 for lo, hi in widths):
+    raise ValueError("widths must not be negative")
+  return jnp.pad(x, widths, constant_values=jnp.array(value, x.dtype))
+
+
 # --- products ----------------------------------------------------------------
-@register("matmul", 2, 2, "matrix product over the last axis of A and first of B")
+@register("matmul", ("a", "b"), "matrix product over the last axis of A and first of B")
 def _matmul(ctx, a, b):
   ct = ctx.compute_dtype(a)
   out = jnp.matmul(a.astype(ct), b.astype(ct), preferred_element_type=jnp.float32)
   return out.astype(jnp.result_type(a, b))
 
 
-@register("einsum", 1, None, "Einstein summation")
+@register("einsum", ("xs*",), "Einstein summation",
+          (Attr("spec", "spec", doc="the subscripts", positional=True),),
+          written='(einsum "spec" A B ...)')
 def _einsum(ctx, *xs, spec):
   ct = ctx.compute_dtype(xs[0])
   out = jnp.einsum(spec, *(x.astype(ct) for x in xs), preferred_element_type=jnp.float32)
@@ -203,24 +248,28 @@ def _einsum(ctx, *xs, spec):
 
 
 # --- neural ------------------------------------------------------------------
-@register("softmax", 1, 1, "softmax along an axis")
+_ALONG = (Attr("axis", "axis", -1, "the axis", positional=True),)
+
+
+@register("softmax", ("x",), "softmax along an axis", _ALONG, written="(softmax X AXIS)")
 def _softmax(ctx, x, *, axis):
   return jax.nn.softmax(x, axis=axis)
 
 
-@register("log-softmax", 1, 1, "log of softmax along an axis")
+@register("log-softmax", ("x",), "log of softmax along an axis", _ALONG,
+          written="(log-softmax X AXIS)")
 def _log_softmax(ctx, x, *, axis):
   return jax.nn.log_softmax(x, axis=axis)
 
 
-@register("causal-mask", 1, 1, "fill future positions (last two axes) with -inf")
+@register("causal-mask", ("scores",), "fill future positions (last two axes) with -inf")
 def _causal_mask(ctx, s):
   q, k = s.shape[-2], s.shape[-1]
   keep = jnp.tril(jnp.ones((q, k), dtype=bool), k - q)
   return jnp.where(keep, s, jnp.array(-jnp.inf, s.dtype))
 
 
-@register("segment-mask", 2, 2,
+@register("segment-mask", ("scores", "segments"),
           "fill scores [b, .., q, k] where the query's and key's segments [b, t] differ with -inf")
 def _segment_mask(ctx, s, segments):
   return jnp.where(_same_segment(segments, s.ndim), s, jnp.array(-jnp.inf, s.dtype))
@@ -232,7 +281,10 @@ def _same_segment(segments, ndim: int):
   return same.reshape(same.shape[:1] + (1,) * (ndim - 3) + same.shape[1:])
 
 
-@register("dropout", 1, 1, "zero elements with probability RATE in training")
+@register("dropout", ("x",), "zero elements with probability RATE in training (the run's key);"
+          " identity in passes",
+          (Attr("rate", "float", doc="the probability of a zero", positional=True),
+           Attr("site", "int", internal=True)))
 def _dropout(ctx, x, *, rate, site):
   if not ctx.training or ctx.rng is None or rate == 0.0:
     return x
@@ -241,7 +293,9 @@ def _dropout(ctx, x, *, rate, site):
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-@register("cross-entropy", 2, 3, "mean negative log-likelihood of integer targets (f32)")
+@register("cross-entropy", ("logits", "targets", ":mask"),
+          "mean negative log-likelihood of integer targets (f32); with :mask, over the true"
+          " positions (NaN when none is)")
 def _cross_entropy(ctx, logits, targets, mask=None):
   logits = logits.astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
@@ -250,11 +304,17 @@ def _cross_entropy(ctx, logits, targets, mask=None):
   if mask is None:
     return jnp.mean(nll)
   m = mask.astype(jnp.float32)
-  return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
+  # No position to average over is no loss at all, not a loss of 0: NaN makes an
+  # evaluation over fully masked rows visible (E-NUM-001 in training) instead of perfect.
+  return jnp.sum(nll * m) / jnp.sum(m)
 
 
-@register("sdpa", 3, 4, "scaled dot-product attention, layout [batch, heads, seq, dim]; "
-          "SEGMENTS [batch, seq] keeps each query to keys of its own segment")
+@register("sdpa", ("q", "k", "v", "segments?"),
+          "scaled dot-product attention, layout [batch, heads, seq, dim]; "
+          "SEGMENTS [batch, seq] keeps each query to keys of its own segment",
+          (Attr("causal", "bool", False, "each query sees only keys at or before it"),
+           Attr("scale", "float", None, "the scores' scale (default 1/sqrt(dim))")),
+          written="(sdpa Q K V :causal B :scale S)")
 def _sdpa(ctx, q, k, v, segments=None, *, causal, scale):
   # the reference; `lower.attention` picks cuDNN or Pallas on a GPU
   ct = ctx.compute_dtype(q)
@@ -271,18 +331,23 @@ def _sdpa(ctx, q, k, v, segments=None, *, causal, scale):
 
 
 # --- constants ---------------------------------------------------------------
-@register("full", 0, 0, "a tensor filled with one value")
+@register("full", (), "a tensor filled with one value",
+          (Attr("shape", "shape", doc="the shape", positional=True),
+           Attr("value", "float", doc="the value", positional=True),
+           Attr("dtype", "dtype", "f32", "the dtype")), written="(full SHAPE V :dtype f32)")
 def _full(ctx, *, shape, value, dtype):
   return jnp.full(shape, value, DTYPES[dtype])
 
 
-@register("iota", 0, 0, "0 .. N-1 (int32)")
+@register("iota", (), "0 .. N-1 (int32)",
+          (Attr("n", "int", doc="how many", positional=True),))
 def _iota(ctx, *, n):
   return jnp.arange(n, dtype=jnp.int32)
 
 
 # --- identity ops kept for the graph's bookkeeping ----------------------------
-@register("tap", 1, 1, "X itself, recorded for a diagnostic")
+@register("tap", ("x",), "X itself, recorded for a diagnostic",
+          (Attr("name", "str", internal=True),), written="(tap NAME X)")
 def _tap(ctx, x, *, name):
   return x
 
@@ -294,8 +359,12 @@ def fan_in_std(shape: tuple[int, ...], scale: float) -> float:
 
 
 # --- ops that rewrites introduce (sexpgpu.ir.rewrite) -----------------------------
-@register("chunked-cross-entropy", 3, 4,
-          "cross-entropy of (matmul H W) over vocabulary chunks, never holding the full logits")
+@register("chunked-cross-entropy", ("h", "w", "targets", "mask?"),
+          "cross-entropy of (matmul H W) over vocabulary chunks, never holding the full logits",
+          (Attr("chunks", "int", internal=True),))
 def _chunked_cross_entropy(ctx, h, w, targets, mask=None, *, chunks):
   # the reference holds the full logits; `lower.xent` is the chunked lowering
   return _cross_entropy(ctx, _matmul(ctx, h, w), targets, mask)
+
+
+from sexpgpu.ir import ops_conv, ops_random, ops_select  # noqa: E402,F401  (they register)

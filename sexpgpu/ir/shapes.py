@@ -57,12 +57,30 @@ def infer(op: str, attrs: tuple, in_types: tuple[InType, ...]) -> tuple[str, tup
     with jax.numpy_dtype_promotion("strict"):
       out = jax.eval_shape(fn, *(s for _, s in structs))
   except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
+    if opdef.source is not None:
+      raise _user_error(e, opdef.source) from None
     message = _first_line(e)
     kind = "type" if _is_type_error(message) else "shape"
     raise ShapeRuleError(kind, message) from None
+  except Exception as e:  # noqa: BLE001 (an op written in Python may raise anything)
+    if opdef.source is None:
+      raise
+    raise _user_error(e, opdef.source) from None
   if not hasattr(out, "shape"):
     raise ShapeRuleError("shape", f"{op} did not produce one tensor")
   return dtype_name(out.dtype), tuple(int(d) for d in out.shape)
+
+
+def _user_error(e: Exception, source: str) -> ShapeRuleError:
+  """An exception inside an op written in Python, with its file and line."""
+  import os
+  import traceback
+  if os.environ.get("SEXPGPU_DEBUG") == "1":
+    traceback.print_exception(e)
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if os.path.abspath(f.filename) == os.path.abspath(source)]
+  where = f"{os.path.basename(source)}:{frames[-1].lineno}" if frames else source
+  return ShapeRuleError("op", f"{type(e).__name__} in {where}: {_first_line(e)}")
 
 
 def _first_line(e: Exception) -> str:

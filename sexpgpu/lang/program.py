@@ -43,6 +43,8 @@ class Program:
     run: the one `defrun` form.
     sources: display name → text of every file read (for checkpoints, bundles).
     files: display name → absolute path of every file read from disk.
+    python: display name → (absolute path, the require's place) of each `.py` file of
+      ops written in Python (`(require "my_ops.py")`), in require order.
   """
 
   path: str
@@ -53,6 +55,7 @@ class Program:
   run: List
   sources: dict[str, str]
   files: dict[str, str]
+  python: dict[str, tuple[str, Loc]] = dataclasses.field(default_factory=dict)
 
 
 def form_error(form: Form, message: str, fix: str, code: str = "E-FORM-001") -> SxError:
@@ -92,6 +95,7 @@ class _Loader:
     self.done: set[str] = set()
     self.sources: dict[str, str] = {}
     self.files: dict[str, str] = {}
+    self.python: dict[str, tuple[str, Loc]] = {}
 
   def load(self, abspath: str, display: str, stack: tuple) -> list[Form]:
     text = read_source(abspath, display)
@@ -142,6 +146,12 @@ class _Loader:
                     location=form.loc, fix="move the shared definitions into a file both require")
     if target in self.done:
       return []
+    if target.endswith(".py"):  # ops written in Python: the front end runs the file
+      self.done.add(target)
+      self.sources[display] = read_source(target, display)
+      self.files[display] = target
+      self.python[display] = (target, form.loc)
+      return []
     return self.load(target, display, stack)
 
 
@@ -179,7 +189,8 @@ def _collect(path: str, base_dir: str, forms: list[Form], loader: _Loader) -> Pr
     raise SxError("E-RUN-001", "an experiment needs exactly one defrun; found " + str(len(runs)),
                   location=where, where=None if where else path,
                   fix="(defrun :loss LOSS :data LOADER :steps N ...)")
-  return Program(path, base_dir, rest, knobs, variants, runs[0], loader.sources, loader.files)
+  return Program(path, base_dir, rest, knobs, variants, runs[0], loader.sources, loader.files,
+                 loader.python)
 
 
 def literal_value(form: Form) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Callable
 
 from sexpgpu.ir.graph import Graph, Node, walk
 from sexpgpu.ir.shapes import np_dtype
@@ -24,20 +25,80 @@ def _einsum_flops(spec: str, shapes: list[tuple[int, ...]]) -> int:
   return 2 * math.prod(sizes.values()) if sizes else 0
 
 
+# op name → flops(node) of one evaluation, or the reason the op counts none. Every op
+# of the IR has an entry (tests/test_op_table.py); an op with none would drop out of MFU
+# silently. Products count 2 a multiply-add, as the field's MFU does (PaLM's appendix B).
+FLOPS: dict[str, Callable[[Node], int] | str] = {}
+
+
+LEAVES = ("input", "param", "carry")  # the graph's leaves, which compute nothing
+
+
+def register_flops(rule: Callable[[Node], int] | str, *ops: str) -> None:
+  """Registers `rule(node)` (or a reason for counting none) as the FLOPs of `ops`.
+
+  Raises:
+    ValueError: an op already has an entry.
+  """
+  for op in ops:
+    if op in FLOPS:
+      raise ValueError(f"op {op} has a FLOPs rule already")
+    FLOPS[op] = rule
+
+
+def _matmul(node: Node) -> int:
+  return 2 * node.inputs[0].shape[-1] * math.prod(node.shape)
+
+
+def _sdpa(node: Node) -> int:
+  q, k = node.inputs[:2]
+  full = 2 * 2 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+  # A causal mask leaves half the products to do, and the field counts half (PaLM's MFU).
+  return full // 2 if node.attr("causal") else full
+
+
+def _chunked_xent(node: Node) -> int:
+  h, w = node.inputs[:2]
+  return 2 * math.prod(h.shape) * w.shape[-1]
+
+
+def _conv(node: Node) -> int:
+  w = node.inputs[1]
+  # each output element is a dot product over the kernel's window and its input channels
+  return 2 * math.prod(node.shape) * math.prod(w.shape[:-1])
+
+
+register_flops(_matmul, "matmul")
+register_flops(lambda n: _einsum_flops(n.attr("spec"), [i.shape for i in n.inputs]), "einsum")
+register_flops(_sdpa, "sdpa")
+register_flops(_chunked_xent, "chunked-cross-entropy")
+register_flops(_conv, "conv")
+register_flops(
+    "not a product: MFU counts multiply-adds only",
+    "+", "-", "*", "/", "pow", "max", "min", "mod", "neg", "abs", "exp", "log", "sqrt", "rsqrt",
+    "square", "tanh", "cos", "sin", "sigmoid", "relu", "gelu", "silu", "erf", "softplus",
+    "log1p", "expm1", "floor", "ceil", "round", "sign", "isfinite", "logical-not",
+    "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "where", "cast", "clip",
+    "sum", "mean", "max-of", "min-of", "logsumexp", "argmax", "softmax", "log-softmax",
+    "causal-mask", "segment-mask", "dropout", "cross-entropy", "cumsum", "cumprod",
+    "max-pool", "avg-pool", "top-k", "top-k-indices", "sort", "argsort",
+    "bernoulli", "random-normal", "random-uniform", "random-int", "random-permutation")
+register_flops(
+    "moves or makes values, computes none", "reshape", "transpose", "concat", "slice", "take",
+    "one-hot", "expand", "squeeze", "broadcast", "tril", "triu", "flip", "tile", "pad",
+    "take-along", "scatter-add", "full", "iota", "tap", "stop-gradient")
+
+
 def node_flops(node: Node) -> int:
-  """Multiply-add flops of one node (0 for ops that are not products)."""
-  if node.op == "matmul":
-    a, b = node.inputs
-    k = a.shape[-1]
-    return 2 * k * math.prod(node.shape)
-  if node.op == "einsum":
-    return _einsum_flops(node.attr("spec"), [i.shape for i in node.inputs])
-  if node.op == "sdpa":
-    q, k = node.inputs[:2]
-    full = 2 * 2 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
-    # A causal mask leaves half the products to do, and the field counts half (PaLM's MFU).
-    return full // 2 if node.attr("causal") else full
-  return 0
+  """Multiply-add flops of one node (0 for ops that are not products).
+
+  Raises:
+    KeyError: the op has no entry in FLOPS.
+  """
+  if node.op in LEAVES:
+    return 0
+  rule = FLOPS[node.op]
+  return 0 if isinstance(rule, str) else rule(node)
 
 
 def _flops(roots: list[Node]) -> int:

@@ -126,6 +126,8 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
   ir = "\n\n".join(print_graph(s.graph, with_locs=False) for s in stages)
   ir += "".join("\n\n" + print_graph(g, with_locs=False) for gs in passes.values()
                 for g in gs.values())
+  # an op written in Python is its file: what it computes is not in the printed IR
+  ir += "".join(f"\n\n{d}\n{program.sources[d]}" for d in program.python)
   knobs = "\n".join(f"{k}={format_value(v.value)}" for k, v in sorted(selection.knobs.items())
                     if k not in NOT_IN_FINGERPRINT)
   shapes = "\n".join(f"{n}:{sorted(f.items())}" for n, f in sorted(fields.items()))

@@ -116,47 +116,36 @@ LOADERS = {
     "text": "a `sexpgpu tokenize` cache in rows of packed documents (:tokens :segments :positions)",
 }
 
-OPS = {
-    "+": "(+ A B ...) sum, broadcasting", "-": "(- A B) or (- A) difference",
-    "*": "(* A B ...) product, broadcasting",
-    "/": "(/ A B) quotient; of static ints an int if exact",
-    "pow": "(pow A B)", "neg": "(neg X)", "abs": "(abs X)", "exp": "(exp X)", "log": "(log X)",
-    "sqrt": "(sqrt X)", "rsqrt": "(rsqrt X) 1/sqrt", "square": "(square X)", "tanh": "(tanh X)",
-    "sin": "(sin X)", "cos": "(cos X)",
-    "sigmoid": "(sigmoid X)", "relu": "(relu X)", "gelu": "(gelu X)", "silu": "(silu X)",
-    "max": "(max A B) elementwise", "min": "(min A B) elementwise",
-    "where": "(where C A B)", "cast": "(cast X DTYPE), DTYPE f32 bf16 f16 i32 u32 bool",
-    "<": "(< A B)", "<=": "(<= A B)", ">": "(> A B)", ">=": "(>= A B)", "=": "(= A B)",
-    "!=": "(!= A B)",
-    "sum": "(sum X [AXES] :keep B)", "mean": "(mean X [AXES] :keep B)",
-    "max-of": "(max-of X [AXES] :keep B)", "min-of": "(min-of X [AXES] :keep B)",
-    "logsumexp": "(logsumexp X [AXES] :keep B)", "argmax": "(argmax X AXIS)",
-    "reshape": "(reshape X SHAPE)", "transpose": "(transpose X PERM)",
-    "concat": "(concat [X Y ...] AXIS)", "split": "(split X N AXIS) N equal parts",
-    "slice": "(slice X AXIS START END), END nil to the end",
-    "take": "(take TABLE INDICES) along axis 0",
-    "one-hot": "(one-hot X N)", "dim": "(dim X AXIS) static", "shape": "(shape X) static vector",
-    "rank": "(rank X) static", "expand": "(expand X AXIS)", "squeeze": "(squeeze X AXIS)",
-    "broadcast": "(broadcast X SHAPE)",
-    "matmul": "(matmul A B)", "einsum": '(einsum "spec" A B ...)',
-    "softmax": "(softmax X AXIS)", "log-softmax": "(log-softmax X AXIS)",
-    "causal-mask": "(causal-mask S) future positions filled with -inf",
-    "segment-mask": "(segment-mask SCORES SEGMENTS) -inf between different packed documents",
-    "dropout": "(dropout X RATE) the run's rng; identity in passes",
-    "cross-entropy": "(cross-entropy LOGITS TARGETS :mask M) mean, f32",
-    "sdpa": "(sdpa Q K V :causal B :scale S) attention",
-    "zeros": "(zeros SHAPE :dtype D); as :init, zeros",
-    "ones": "(ones SHAPE :dtype D); as :init, ones",
-    "full": "(full SHAPE V :dtype D)", "iota": "(iota N)",
-    "nil?": "(nil? V) static: whether V is nil",
-    "normal": "(normal STD) initializer", "truncated-normal": "(truncated-normal STD) initializer",
-    "uniform": "(uniform LIMIT) initializer",
-    "constant": "(constant V) initializer or learning rate",
-    "fan-in": "(fan-in SCALE) initializer: normal, std SCALE/sqrt(fan-in)",
-    "sgd": "optimizer", "momentum": "optimizer", "adam": "optimizer", "adamw": "optimizer",
-    "lion": "optimizer", "adafactor": "optimizer",
-    "warmup-cosine": "learning-rate schedule", "warmup-linear": "learning-rate schedule",
+# Builtins that are not ops of the IR (they fold statically or make configuration values):
+# (written, meaning). An op's own line comes from its declaration (`sexpgpu.ir.ops`).
+FUNCTIONS = {
+    "split": ("(split X N AXIS)", "N equal parts along an axis, as a vector"),
+    "dim": ("(dim X AXIS)", "a static size"), "shape": ("(shape X)", "a static vector"),
+    "rank": ("(rank X)", "the static number of axes"),
+    "nil?": ("(nil? V)", "static: whether V is nil"),
+    "zeros": ("(zeros SHAPE :dtype D)", "a tensor of zeros; as :init, zeros"),
+    "ones": ("(ones SHAPE :dtype D)", "a tensor of ones; as :init, ones"),
+    "normal": ("(normal STD)", "initializer"),
+    "truncated-normal": ("(truncated-normal STD)", "initializer"),
+    "uniform": ("(uniform LIMIT)", "initializer"),
+    "constant": ("(constant V)", "initializer or learning rate"),
+    "fan-in": ("(fan-in SCALE)", "initializer: normal, std SCALE/sqrt(fan-in)"),
+    "sgd": ("(sgd :lr LR ...)", "optimizer"), "momentum": ("(momentum :lr LR ...)", "optimizer"),
+    "adam": ("(adam :lr LR ...)", "optimizer"), "adamw": ("(adamw :lr LR ...)", "optimizer"),
+    "lion": ("(lion :lr LR ...)", "optimizer"),
+    "adafactor": ("(adafactor :lr LR ...)", "optimizer"),
+    "warmup-cosine": ("(warmup-cosine :peak P ...)", "learning-rate schedule"),
+    "warmup-linear": ("(warmup-linear :peak P ...)", "learning-rate schedule"),
 }
+
+
+def _written(name: str) -> tuple[str, str]:
+  """(written, meaning) of a builtin: an op's from its declaration, else FUNCTIONS'."""
+  from sexpgpu.ir.ops import OPS
+  if name in OPS:
+    return OPS[name].usage(), OPS[name].doc
+  return FUNCTIONS[name]
+
 
 STD = {
     "dense": "x · w (+ b): a linear layer to `out` features; :scale scales the init",
@@ -226,13 +215,14 @@ def _check_meanings() -> None:
   from sexpgpu.data import KINDS
   from sexpgpu.front.experiment import LOADER_KINDS
   from sexpgpu.front.prims import BUILTINS
+  from sexpgpu.ir.ops import OPS
   from sexpgpu.lang.program import TOP_FORMS as CODE_TOP_FORMS
   from sexpgpu.lang.select import RUN_KNOBS
   from sexpgpu.front.build import SPECIAL_FORMS as CODE_SPECIAL
   loader_kws = {k for cls in KINDS.values() for k in list(cls.arg_table.required)
                 + list(cls.arg_table.optional)} | {k for ks in LOADER_KINDS.values() for k in ks}
   wanted = [
-      ("op", set(BUILTINS), OPS), ("loader", set(KINDS), LOADERS),
+      ("function", set(BUILTINS) - set(OPS), FUNCTIONS), ("loader", set(KINDS), LOADERS),
       ("loader keyword", loader_kws, LOADER_KEYWORDS),
       ("std function", {n for _, n, _, _ in _std_functions()}, STD),
       ("top-level form", set(CODE_TOP_FORMS), TOP_FORMS),
@@ -265,8 +255,7 @@ def generate() -> str:
   _check_meanings()
   out = ["# The .sx language: reference", "",
          "Generated by `python -m sexpgpu.tools.langdoc` from the code's tables; "
-         "tests/test_docs.py keeps it in step. The design is in the spec's 10-language.md "
-         "and 20-experiment.md; errors print a code, the place and a fix.", "",
+         "tests/test_docs.py keeps it in step. Errors print a code, the place and a fix.", "",
          "## Reading", "",
          "`; comment`, `#;` skips the next form, `(list)`, `[vector]`, `\"string\\n\"`, "
          "`:keyword`, `symbol` (letters, digits, `-_+*/<>=!?.%`), integers (64-bit, `1_000`), "
@@ -314,7 +303,11 @@ def generate() -> str:
                 [(f"`{n}`", f, " ".join(pos + [f":{k} {d}" for k, d in kws]), STD[n])
                  for f, n, pos, kws in _std_functions()])
   out += ["", "## Operations", ""]
-  out += _table(("op", "written"), [(f"`{n}`", OPS[n]) for n in sorted(BUILTINS)])
+  out += ["Tensors are positional; the words in capitals after them are static values written"
+          " in that order; `:key value` pairs may come in any order, each with the default"
+          " shown.", ""]
+  out += _table(("op", "written", "meaning"),
+                [(f"`{n}`", f"`{_written(n)[0]}`", _written(n)[1]) for n in sorted(BUILTINS)])
   return "\n".join(out) + "\n"
 
 

@@ -1,0 +1,114 @@
+"""Ops a user writes in Python: `@sexpgpu.op("name", doc=...)` on a JAX function.
+
+The function's positional parameters are its tensors; its keyword-only
+parameters, annotated `int`, `float`, `bool` or `str`, are static attributes
+the `.sx` call passes by keyword. The op joins every table an op of the
+table's own has: its shape comes from `jax.eval_shape` of the function, its
+gradient from JAX, its lowering on every platform is the function itself, its
+FLOPs come from XLA's cost analysis of it, and decoding passes positions
+through it only when it is declared `pointwise=True`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any, Callable
+
+from sexpgpu.ir.opdef import OPS, REQUIRED, Attr, OpDef
+from sexpgpu.ir.shapes import infer
+from sexpgpu.lower.flops import FLOPS
+from sexpgpu.models.decode import DECODE, register_pointwise
+
+_TYPES = {int: "int", float: "float", bool: "bool", str: "str",
+          "int": "int", "float": "float", "bool": "bool", "str": "str"}
+
+
+class OpDeclarationError(ValueError):
+  """An `@sexpgpu.op` the table cannot take (the message says why)."""
+
+
+def op(name: str, doc: str = "", pointwise: bool = False) -> Callable:
+  """Declares the decorated JAX function as op `name` of the `.sx` language.
+
+  Args:
+    name: the op's name in `.sx` (`my-mixer`).
+    doc: one line for `check` and the reference.
+    pointwise: each output position depends only on the same position of the inputs,
+      so incremental decoding passes through it.
+
+  Returns:
+    A decorator that registers the function and returns it unchanged.
+
+  Raises:
+    OpDeclarationError: the name is an op of the table's own, or the signature has a
+      parameter that is neither a tensor nor an annotated keyword.
+  """
+
+  def deco(fn: Callable) -> Callable:
+    source = inspect.getsourcefile(fn) or "<python>"
+    old = OPS.get(name)
+    if old is not None and old.source is None:
+      raise OpDeclarationError(f"`{name}` is an op of sexpgpu's own table")
+    # An op of the same name from another file (another experiment in this process, a
+    # copy of the file) is replaced: the latest experiment compiled is the one lowered.
+    inputs, attrs = _signature(name, fn)
+
+    def rule(ctx, *xs, **kw):
+      return fn(*xs, **{k.replace("-", "_"): v for k, v in kw.items()})
+
+    OPS[name] = OpDef(name, rule, inputs, attrs, doc or (fn.__doc__ or name).strip().split("\n")[0],
+                      source=source, pointwise=pointwise)
+    infer.cache_clear()  # a redefinition (the same file read again) may change shapes
+    FLOPS[name] = functools.partial(_cost_flops, name)
+    if pointwise:
+      register_pointwise(name)
+    else:
+      DECODE[name] = (f"is an op written in Python ({source}) that is not declared "
+                      "pointwise=True: no incremental rule")
+    return fn
+
+  return deco
+
+
+def _signature(name: str, fn: Callable) -> tuple[tuple[str, ...], tuple[Attr, ...]]:
+  inputs, attrs = [], []
+  for p in inspect.signature(fn).parameters.values():
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      if p.default is not p.empty:
+        raise OpDeclarationError(f"{name}: tensor `{p.name}` has a default; tensors are "
+                                 "positional and required, statics keyword-only (after *)")
+      inputs.append(p.name)
+    elif p.kind == p.KEYWORD_ONLY:
+      t = _TYPES.get(p.annotation)
+      if t is None:
+        raise OpDeclarationError(f"{name}: keyword `{p.name}` needs an annotation int, float, "
+                                 "bool or str")
+      # `:dt-rank` in the language is `dt_rank` in Python
+      attrs.append(Attr(p.name.replace("_", "-"), t,
+                        REQUIRED if p.default is p.empty else p.default))
+    else:
+      raise OpDeclarationError(f"{name}: *{p.name} or **{p.name} cannot be declared; name "
+                               "each tensor and each keyword")
+  if not inputs:
+    raise OpDeclarationError(f"{name}: takes no tensor")
+  return tuple(inputs), tuple(attrs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _flops_of(name: str, attrs: tuple, shapes: tuple) -> int:
+  import jax
+  from sexpgpu.ir.opdef import DTYPES
+  fn = OPS[name].lower
+  args = [jax.ShapeDtypeStruct(s, DTYPES[d]) for d, s in shapes]
+  cost = jax.jit(lambda *xs: fn(None, *xs, **dict(attrs))).lower(*args).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = (cost or {}).get("flops", 0.0)
+  return int(flops) if math.isfinite(flops) and flops > 0 else 0
+
+
+def _cost_flops(name: str, node: Any) -> int:
+  shapes = tuple((i.dtype, tuple(i.shape)) if hasattr(i, "shape") else ("f32", ())
+                 for i in node.inputs)
+  return _flops_of(name, tuple(node.attrs), shapes)

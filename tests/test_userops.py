@@ -1,0 +1,120 @@
+"""Ops written in Python: `(require "my_ops.py")` and `@sexpgpu.op`, used, checked, bundled,
+run from the bundle elsewhere, and their mistakes placed at the `.sx` call."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import sexpgpu_cmd
+from sexpgpu.errors import SxError
+from sexpgpu.run.compile import compile_file
+
+OPS_PY = '''import jax.numpy as jnp
+import sexpgpu
+
+
+@sexpgpu.op("my-mixer", doc="a causal running mean over positions, then a gate")
+def my_mixer(x, *, width: int, gain: float = 1.0):
+  if x.shape[-1] != width:
+    raise ValueError(f"width {width} is not the last axis {x.shape[-1]}")
+  n = jnp.arange(1, x.shape[1] + 1, dtype=x.dtype)[None, :, None]
+  return gain * jnp.cumsum(x, axis=1) / n
+
+
+@sexpgpu.op("my-gate", doc="x * sigmoid(x), pointwise", pointwise=True)
+def my_gate(x):
+  return x * (1.0 / (1.0 + jnp.exp(-x)))
+'''
+
+EXP_SX = '''(require std/nn)
+(require std/lm)
+(require "my_ops.py")
+
+(defknob width 16)
+(defloader train (markov :vocab 16 :seq 9 :batch 4 :seed 7))
+
+(defn lm [tokens]
+  (let [h (take (param embed [16 width] :init (normal 0.02)) tokens)
+        h (+ h (my-gate (my-mixer h :width width)))]
+    (matmul h (param unembed [width 16] :init (normal 0.02)))))
+
+(defn loss [batch]
+  (let [t (get batch :tokens)]
+    (next-token-loss (lm (lm-inputs t)) t)))
+
+(defrun :loss loss :data train :steps 30 :optimizer (adam :lr 0.03) :seed 1)
+'''
+
+
+@pytest.fixture()
+def exp_dir(tmp_path):
+  (tmp_path / "my_ops.py").write_text(OPS_PY)
+  (tmp_path / "exp.sx").write_text(EXP_SX)
+  return tmp_path
+
+
+def test_a_python_op_compiles_into_the_graph_with_its_shape(exp_dir):
+  out = subprocess.run(sexpgpu_cmd("check", str(exp_dir / "exp.sx"), "--print", "ir"),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  assert "f32[4,8,16] = my-mixer" in out.stdout, out.stdout
+
+
+def test_a_python_op_trains_and_its_file_is_in_the_fingerprint(exp_dir, tmp_path):
+  fp = compile_file(str(exp_dir / "exp.sx")).fingerprint
+  out = subprocess.run(sexpgpu_cmd("run", str(exp_dir / "exp.sx"), "--json"),
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+  assert out.returncode == 0, out.stderr
+  summary = json.loads(out.stdout.strip().splitlines()[-1])
+  assert summary["steps"] == 30
+  (exp_dir / "my_ops.py").write_text(OPS_PY.replace("gain * ", "gain * 0.5 * "))
+  assert compile_file(str(exp_dir / "exp.sx")).fingerprint != fp
+
+
+def test_a_bundle_carries_the_python_file_and_runs_elsewhere(exp_dir, tmp_path):
+  bundle = tmp_path / "run.sxb"
+  out = subprocess.run(sexpgpu_cmd("bundle", str(exp_dir / "exp.sx"), "-o", str(bundle)),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  os.remove(exp_dir / "my_ops.py")  # the bundle alone must do
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  out = subprocess.run(sexpgpu_cmd("run", str(bundle), "--steps", "2"), capture_output=True,
+                       text=True, timeout=600, cwd=elsewhere)
+  assert out.returncode == 0, out.stderr
+  assert "done: 2 steps" in out.stdout + out.stderr
+
+
+def test_an_exception_inside_the_op_is_placed_at_the_sx_call(exp_dir):
+  (exp_dir / "exp.sx").write_text(EXP_SX.replace("(my-mixer h :width width)",
+                                                 "(my-mixer h :width 8)"))
+  with pytest.raises(SxError) as e:
+    compile_file(str(exp_dir / "exp.sx"))
+  text = e.value.render()
+  assert e.value.code == "E-OP-001", text
+  assert "my_ops.py:8" in text and "width 8 is not the last axis 16" in text, text
+  assert e.value.location.line == 10 and "Traceback" not in text
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("import jax\nraise RuntimeError('boom')\n", "RuntimeError: boom"),
+    ("import sexpgpu\n@sexpgpu.op('matmul')\ndef f(x):\n  return x\n", "sexpgpu's own table"),
+    ("import sexpgpu\n@sexpgpu.op('f2')\ndef f(x, *, n):\n  return x\n", "needs an annotation"),
+    ("x = 1\n", "declares no op"),
+    ("def f(:\n", "SyntaxError"),
+])
+def test_a_file_that_cannot_be_loaded_is_placed_at_the_require(exp_dir, body, needle):
+  (exp_dir / "my_ops.py").write_text(body)
+  with pytest.raises(SxError) as e:
+    compile_file(str(exp_dir / "exp.sx"))
+  assert e.value.code == "E-OP-001" and needle in e.value.render(), e.value.render()
+  assert e.value.location.line == 3
+
+
+def test_a_python_op_with_a_wrong_keyword_is_placed_at_the_call(exp_dir):
+  (exp_dir / "exp.sx").write_text(EXP_SX.replace(":width width)", ":widht width)"))
+  with pytest.raises(SxError) as e:
+    compile_file(str(exp_dir / "exp.sx"))
+  assert e.value.code == "E-FORM-002" and ":width :gain" in e.value.render()
