@@ -99,3 +99,55 @@ def test_a_variable_that_does_not_parse_is_e_env_001_before_anything_runs(name, 
                      capture_output=True, text=True, timeout=300)
   assert p.returncode == 1 and p.stderr.startswith("error[E-ENV-001]"), p.stderr
   assert name in p.stderr
+
+
+_FLAGS_AND_CACHE = """
+import json, os, sys
+import sexpgpu.run.devices as devices
+tuned = json.loads(sys.argv[1])
+devices.deterministic_flags(tuned)
+flags = os.environ["XLA_FLAGS"]
+import jax, jax.numpy as jnp  # the backend starts here and parses the flags
+counter = devices.CompileCounter.install(os.environ["SEXPGPU_CACHE_DIR"])
+jax.jit(lambda x: jnp.sin(x) * 3.0 + x).lower(jnp.ones((64,), jnp.float32)).compile()
+print(json.dumps({"flags": flags, "hits": counter.snapshot()[2]}))
+"""
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_deterministic_processes_set_equal_flags_and_share_cache_hits(tmp_path, resumed):
+  """Two processes under SEXPGPU_DETERMINISTIC=1 (fresh, or resuming one checkpoint's
+  autotuning results): equal XLA_FLAGS, which this jaxlib parses, so the second process
+  hits the first one's persistent compilation cache."""
+  import json
+  import sys
+  tuned = {"jaxlib": "x", "results": "version: 3\n"} if resumed else None
+  env = dict(os.environ, SEXPGPU_DETERMINISTIC="1", SEXPGPU_CACHE_DIR=str(tmp_path),
+             XLA_FLAGS="")
+  outs = []
+  for _ in range(2):
+    p = subprocess.run([sys.executable, "-c", _FLAGS_AND_CACHE, json.dumps(tuned)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+  assert outs[0]["flags"] == outs[1]["flags"]
+  assert "--xla_gpu_deterministic_ops=true" in outs[0]["flags"]
+  assert ("--xla_gpu_load_autotune_results_from=" in outs[0]["flags"]) == resumed
+  # the first compiles everything afresh; the second finds each of those programs cached
+  assert outs[0]["hits"] == 0 and outs[1]["hits"] > 0
+
+
+def test_autotuning_results_written_before_this_process_are_not_its_own(monkeypatch, tmp_path):
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path))
+  monkeypatch.setenv("SEXPGPU_DETERMINISTIC", "1")
+  monkeypatch.setenv("XLA_FLAGS", "")
+  path = devices.autotune_dump_path()
+  with open(path, "w") as f:
+    f.write("version: 3\nresults { device: \"another process\" }\n")
+  os.utime(path, (1e9, 1e9))  # written long before this process set its flags
+  monkeypatch.setattr(devices, "_dump_since", None)
+  devices.deterministic_flags()
+  assert devices.autotune_results() is None
+  with open(path, "w") as f:  # what XLA writes after this process's compilation
+    f.write("version: 3\nresults { device: \"sm_90\" }\n")
+  assert "sm_90" in devices.autotune_results()["results"]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import atexit
+import hashlib
 import os
 import threading
+import time
 
 from sexpgpu.devices.env import check_visible, cpu_visible, parse_switch
 from sexpgpu.devices.env import parse_device_list  # noqa: F401  (SEXPGPU_DEVICES's one parser)
@@ -116,48 +117,66 @@ def _autotune_dir() -> str:
 
 
 def autotune_dump_path() -> str:
-  """Where XLA writes this process's GPU autotuning results (all of them, at each compile)."""
-  return os.path.join(_autotune_dir(), f"run-{os.getpid()}.textproto")
+  """Where XLA writes its GPU autotuning results (all of this process's, at each compile).
+
+  One path per cache folder, never one per process: jax hashes XLA_FLAGS into the
+  persistent compilation cache's keys, so a process id in a path would give every
+  process keys of its own and no cache hits across processes.
+  """
+  return os.path.join(_autotune_dir(), "results.textproto")
+
+
+def _resumed_path(results: str) -> str:
+  """A checkpoint's autotuning results as a file named by their content: two resumes of
+  one checkpoint set equal flags (and so share compilation-cache hits)."""
+  digest = hashlib.sha256(results.encode()).hexdigest()[:16]
+  return os.path.join(_autotune_dir(), f"resumed-{digest}.textproto")
+
+
+# When this process set the dump flag: results written before are another process's.
+_dump_since: float | None = None
 
 
 def deterministic_flags(autotune: dict | None = None) -> None:
   """SEXPGPU_DETERMINISTIC=1: XLA's deterministic GPU ops, and its autotuning results
   written to a file that checkpoints keep. `autotune` (a checkpoint's `xla_autotune`)
   is read back instead of autotuning again, so a resumed run picks the same kernels.
-  Set before the backend starts; a flag the user set in XLA_FLAGS is left alone."""
+  Set before the backend starts; a flag the user set in XLA_FLAGS is left alone. The
+  flags are equal in every process that sets them (no per-process path)."""
+  global _dump_since
   if not deterministic():
     return
   flags = os.environ.get("XLA_FLAGS", "")
-  ours = [autotune_dump_path()]
   want = {"xla_gpu_deterministic_ops": "true", "xla_gpu_exclude_nondeterministic_ops": "true",
-          "xla_gpu_dump_autotune_results_to": ours[0]}
+          "xla_gpu_dump_autotune_results_to": autotune_dump_path()}
   if autotune is not None:
-    ours.append(os.path.join(_autotune_dir(), f"run-{os.getpid()}.resumed.textproto"))
-    with open(ours[1], "w") as f:
-      f.write(autotune["results"])
-    want["xla_gpu_load_autotune_results_from"] = ours[1]
+    path = _resumed_path(autotune["results"])
+    if not os.path.exists(path):  # written whole, then renamed: a reader never sees half
+      tmp = f"{path}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        f.write(autotune["results"])
+      os.replace(tmp, path)
+    want["xla_gpu_load_autotune_results_from"] = path
   for name, value in want.items():
     if name not in flags:
       flags += f" --{name}={value}"
   os.environ["XLA_FLAGS"] = flags.strip()
-  atexit.register(_remove, *ours)
-
-
-def _remove(*paths: str) -> None:
-  """This process's autotuning files, once it ends (its checkpoints hold what they need)."""
-  for path in paths:
-    try:
-      os.remove(path)
-    except OSError:
-      pass
+  if _dump_since is None:  # less a second: a file's time is the kernel's coarser clock
+    _dump_since = time.time() - 1.0
 
 
 def autotune_results() -> dict | None:
-  """This process's autotuning results for a checkpoint's meta, under SEXPGPU_DETERMINISTIC."""
+  """This process's autotuning results for a checkpoint's meta, under SEXPGPU_DETERMINISTIC.
+
+  The file is shared by the processes of one cache folder; one last written before this
+  process set its flags holds another's results and is not taken."""
   if not deterministic():
     return None
+  path = autotune_dump_path()
   try:
-    with open(autotune_dump_path()) as f:
+    if _dump_since is not None and os.path.getmtime(path) < _dump_since:
+      return None
+    with open(path) as f:
       text = f.read()
   except OSError:  # nothing was autotuned (or not on a GPU)
     return None
