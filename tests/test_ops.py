@@ -226,3 +226,37 @@ def test_random_ops_have_the_declared_distributions():
   assert i.dtype == np.int32 and set(np.unique(i)) == {3, 4, 5, 6}
   p = _draws("(random-permutation 50)", k)
   assert sorted(p.tolist()) == list(range(50)) and p.tolist() != list(range(50))
+
+
+def _np_linear_recurrence(a, x, axis, reverse=False):
+  a, x = np.moveaxis(a, axis, 0), np.moveaxis(x, axis, 0)
+  h, out = np.zeros_like(x[0]), np.zeros_like(x)
+  for t in (reversed(range(len(x))) if reverse else range(len(x))):
+    h = a[t] * h + x[t]
+    out[t] = h
+  return np.moveaxis(out, 0, axis)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_linear_recurrence_equals_the_loop_it_stands_for(reverse):
+  a = 1.0 / (1.0 + np.exp(-X))
+  expr = f"(linear-recurrence (sigmoid x) m2 :axis 1 :reverse {'true' if reverse else 'false'})"
+  VALUES["m2"] = X[::-1].copy()
+  try:
+    for jit in (False, True):
+      got = value(expr, "x", "m2", jit=jit)
+      np.testing.assert_allclose(got, _np_linear_recurrence(a, X[::-1], 1, reverse), rtol=2e-5,
+                                 atol=2e-5)
+    g = graph_of(expr, ("x", "m2"))
+    check_grads(lambda x, m: jnp.sum(jnp.sin(run_graph(g, {}, {"x": x, "m2": m},
+                                                       LowerCtx())["out"])),
+                (jnp.asarray(X), jnp.asarray(VALUES["m2"])), order=1, modes=("rev",),
+                atol=3e-2, rtol=3e-2, eps=1e-3)
+  finally:
+    del VALUES["m2"]
+
+
+def test_linear_recurrence_refuses_operands_of_two_shapes():
+  with pytest.raises(SxError) as e:
+    graph_of("(linear-recurrence x m)", ("x", "m"))
+  assert e.value.code == "E-SHAPE-001" and "must have one shape" in e.value.render()

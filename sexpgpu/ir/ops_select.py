@@ -96,3 +96,22 @@ register("cumsum", ("x",), "running sum along an axis", _RUNNING)(
     _running(jax.lax.cumsum, 0))
 register("cumprod", ("x",), "running product along an axis", _RUNNING)(
     _running(jax.lax.cumprod, 1))
+
+
+def _combine(axis):
+  def fn(left, right):
+    (a1, x1), (a2, x2) = left, right
+    return a1 * a2, a2 * x1 + x2
+  return fn
+
+
+@register("linear-recurrence", ("a", "x"), "H with H_t = A_t * H_(t-1) + X_t along an axis"
+          " (H before the first is 0), as an associative scan: parallel in time (the gated"
+          " linear recurrences of Mamba's selective scan, RG-LRU, S5)",
+          (_AXIS, Attr("reverse", "bool", False, "run from the end of the axis")))
+def _linear_recurrence(ctx, a, x, *, axis, reverse):
+  if a.shape != x.shape:
+    raise ValueError(f"A {list(a.shape)} and X {list(x.shape)} must have one shape")
+  dt = jnp.result_type(a, x)
+  return jax.lax.associative_scan(_combine(axis), (a.astype(dt), x.astype(dt)),
+                                  reverse=reverse, axis=axis % x.ndim)[1]

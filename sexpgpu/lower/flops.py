@@ -81,6 +81,7 @@ register_flops(
     "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "where", "cast", "clip",
     "sum", "mean", "max-of", "min-of", "logsumexp", "argmax", "softmax", "log-softmax",
     "causal-mask", "segment-mask", "dropout", "cross-entropy", "cumsum", "cumprod",
+    "linear-recurrence",
     "max-pool", "avg-pool", "top-k", "top-k-indices", "sort", "argsort",
     "bernoulli", "random-normal", "random-uniform", "random-int", "random-permutation")
 register_flops(

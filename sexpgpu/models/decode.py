@@ -55,6 +55,10 @@ class Plan:
   # sdpa uid → (keys, values, n): grouped-query attention whose keys and values are those
   # nodes' [b kv t dh] with each head repeated n times; the cache keeps the kv heads only
   grouped: dict[int, tuple[Node, Node, int]] = dataclasses.field(default_factory=dict)
+  # node uid → what it keeps between calls along positions: "running" (a cumsum's or
+  # cumprod's total), "recurrence" (a linear recurrence's last state), "window" (the last
+  # (kernel - 1) × dilation inputs of a causal conv)
+  carries: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def plan(graph: Graph, window: int) -> Plan:
@@ -71,6 +75,10 @@ def plan(graph: Graph, window: int) -> Plan:
   return p
 
 
+_CARRY_ROLES = {"running": "running total kept (carry)", "recurrence": "recurrence state kept (carry)",
+                "window": "window cache of the last (kernel-1)×dilation inputs"}
+
+
 def explain(graph: Graph, window: int) -> str:
   """`check --print decode`: the path sampling takes for a logits graph of `window`
   positions, and the graph with each node's time axis and what the decode step does at it."""
@@ -82,6 +90,7 @@ def explain(graph: Graph, window: int) -> str:
   roles = {n.uid: (f"key/value cache of the {p.grouped[n.uid][0].shape[1]} key/value heads"
                    if n.uid in p.grouped else "key/value cache") for n in p.attention}
   roles.update({u: "row at the offset" for u in p.tables})
+  roles.update({u: _CARRY_ROLES[k] for u, k in p.carries.items()})
   roles.update({u: "the offset" for u in p.iotas})
 
   def note(n: Node) -> str:
@@ -91,7 +100,8 @@ def explain(graph: Graph, window: int) -> str:
 
   head = (f"decode: incremental over a window of {window} positions, the prompt prefilled, "
           f"then one position a step; sdpa regions keeping keys and values {len(p.attention)}, position tables "
-          f"read at the offset {len(p.tables)}, iotas read as the offset {len(p.iotas)}")
+          f"read at the offset {len(p.tables)}, iotas read as the offset {len(p.iotas)}, "
+          f"carries kept {len(p.carries)}")
   return f"{head}\n{print_graph(graph, note=note)}\n"
 
 
@@ -337,6 +347,43 @@ def _spatial(why: str):
   return rule
 
 
+def _running(p, n, ins, timed):
+  x, a = timed[0]
+  if n.attr("axis") % len(x.shape) != a:
+    return a
+  if n.attr("reverse"):
+    raise NoRule(n, "runs backwards along positions: each sees the later ones")
+  p.carries[n.uid] = "running"
+  return a
+
+
+def _recurrence(p, n, ins, timed):
+  axes = {a for _, a in timed}
+  if len(axes) != 1 or len(timed) != 2:
+    raise NoRule(n, "combines operands whose positions lie on different axes")
+  a = axes.pop()
+  if n.attr("axis") % len(n.shape) != a:
+    return a
+  if n.attr("reverse"):
+    raise NoRule(n, "runs backwards along positions: each sees the later ones")
+  p.carries[n.uid] = "recurrence"
+  return a
+
+
+def _conv(p, n, ins, timed):
+  x, a = timed[0]
+  if x is not ins[0] or len(timed) > 1:
+    raise NoRule(n, "convolves with a kernel that depends on the tokens")
+  if a == 0:
+    return a
+  strides = n.attr("stride")
+  strides = (strides,) if isinstance(strides, int) else tuple(strides)
+  if len(x.shape) != 3 or a != 1 or n.attr("padding") != "causal" or set(strides) != {1}:
+    raise NoRule(n, "convolves over positions without causal padding and stride 1")
+  p.carries[n.uid] = "window"
+  return a
+
+
 def _scatter(p, n, ins, timed):
   x, a = timed[0]
   if x is not ins[0] or len(timed) > 1 or a == 0:
@@ -366,14 +413,15 @@ register_decode(_matmul, "matmul")
 register_decode(_einsum, "einsum")
 register_decode(_along("sorts along positions"), "sort", "argsort")
 register_decode(_along("gathers along positions"), "take-along")
-register_decode(_along("runs along positions and keeps no carry"), "cumsum", "cumprod")
+register_decode(_running, "cumsum", "cumprod")
+register_decode(_recurrence, "linear-recurrence")
 register_decode(_along("reverses positions"), "flip")
 register_decode(_along_last("chooses among positions"), "top-k", "top-k-indices")
 register_decode(_last_two("keeps a triangle of positions"), "tril", "triu")
 register_decode(_per_axis("reps", lambda r: r == 1, "tiles positions"), "tile")
 register_decode(_per_axis("widths", lambda w: tuple(w) == (0, 0), "pads positions"), "pad")
 register_decode(_scatter, "scatter-add")
-register_decode(_spatial("convolves over positions and keeps no window cache"), "conv")
+register_decode(_conv, "conv")
 register_decode(_spatial("pools over positions"), "max-pool", "avg-pool")
 register_decode("mixes positions (a mask over them outside one sdpa region)",
                 "causal-mask", "segment-mask")
@@ -408,7 +456,8 @@ def _repeated_heads(x: Node) -> tuple[Node, int] | None:
 
 # --- evaluation ------------------------------------------------------------------------------
 
-def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset=None):
+def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset=None,
+        valid=None):
   """Evaluates the plan's graph.
 
   Args:
@@ -418,6 +467,8 @@ def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset
     cache: None for the whole window, else the cache to read and extend (`empty_cache`
       for a prefill).
     offset: the position of the first token (a traced int32).
+    valid: how many of the tokens are real (a traced int32; default all): a prefill of a
+      prompt padded past its end keeps the carries of its last real position.
 
   Returns:
     (logits, cache): the cache holds, for each sdpa node, its keys and values [b h W d]
@@ -425,7 +476,8 @@ def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset
   """
   out_cache: dict = {}
   env: dict[int, Any] = {}
-  _run(p, p.graph.nodes(), env, params, tokens, ctx, cache, out_cache, offset)
+  valid = tokens.shape[-1] if valid is None else valid
+  _run(p, p.graph.nodes(), env, params, tokens, ctx, cache, out_cache, offset, valid)
   return env[p.graph.outputs["out"].uid], out_cache
 
 
@@ -436,7 +488,7 @@ def empty_cache(p: Plan, params: dict, ctx: LowerCtx, batch: int = 1) -> dict:
   return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
+def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset, valid):
   step = cache is not None
   span = tokens.shape[-1]  # positions this call computes, from `offset` on
   for n in nodes:
@@ -453,7 +505,7 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
       env[n.uid] = tokens
       continue
     if op == "repeat":
-      env[n.uid] = _repeat(p, n, env, params, tokens, ctx, cache, out_cache, offset)
+      env[n.uid] = _repeat(p, n, env, params, tokens, ctx, cache, out_cache, offset, valid)
       continue
     args = [env[i.uid] if isinstance(i, Node) else i for i in n.inputs]
     attrs = dict(n.attrs)
@@ -461,6 +513,9 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
       group = p.grouped.get(n.uid)
       sources = (env[group[0].uid], env[group[1].uid], group[2]) if group else None
       env[n.uid] = _attend(n, args, attrs, ctx, cache, out_cache, offset, sources)
+      continue
+    if n.uid in p.carries:
+      env[n.uid] = _carry(p.carries[n.uid], n, args, attrs, ctx, cache, out_cache, valid)
       continue
     if step and n.uid in p.iotas:
       env[n.uid] = offset + jnp.arange(span, dtype=jnp.int32)
@@ -473,6 +528,42 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset):
       shape[p.axes[n.uid]] = span
       attrs["shape"] = tuple(shape)
     env[n.uid] = lowering(op, ctx.platform)(ctx, *args, **attrs)
+
+
+def _carry(kind, n, args, attrs, ctx, cache, out_cache, valid):
+  """A node that keeps a carry along positions: its value over this call's positions from
+  the carry of the ones before (the identity for a whole window or an empty cache), and the
+  carry after the last real one (`valid`), kept in the cache."""
+  rule = lowering(n.op, ctx.platform)
+  axis = p_axis = attrs["axis"] % len(n.shape) if "axis" in attrs else 1
+  prev = cache.get(n.uid) if cache is not None else None
+  if kind == "window":  # a causal conv: the inputs before these, then a valid conv
+    x, w = args
+    k = (w.shape[0] - 1) * (attrs["dilation"] if isinstance(attrs["dilation"], int)
+                            else attrs["dilation"][0])
+    if prev is None:
+      prev = jnp.zeros(x.shape[:1] + (k,) + x.shape[2:], x.dtype)
+    xx = jnp.concatenate([prev.astype(x.dtype), x], axis=1)
+    out = rule(ctx, xx, w, **{**attrs, "padding": "valid"})
+    out_cache[n.uid] = jax.lax.dynamic_slice_in_dim(xx, valid, k, axis=1)
+    return out
+  out = rule(ctx, *args, **attrs)
+  if kind == "recurrence":  # H_t = (Π A up to t) · H_before + the recurrence from 0
+    a, x = args
+    if prev is not None:
+      out = out + jax.lax.cumprod(a.astype(out.dtype), axis=p_axis) * prev
+    last = jax.lax.dynamic_slice_in_dim(out, valid - 1, 1, axis=p_axis)
+  else:  # a running sum or product: the total before these, then theirs
+    x = args[0]
+    total = jnp.add if n.op == "cumsum" else jnp.multiply
+    # the cache keeps the total less the op's identity, so an empty cache (zeros) is none
+    identity = jnp.asarray(0 if n.op == "cumsum" else 1, out.dtype)
+    if prev is not None:
+      out = total(prev.astype(out.dtype) + identity, out)
+    inclusive = out if not attrs["exclusive"] else total(out, x.astype(out.dtype))
+    last = jax.lax.dynamic_slice_in_dim(inclusive, valid - 1, 1, axis=axis) - identity
+  out_cache[n.uid] = last
+  return out
 
 
 def _attend(n, args, attrs, ctx, cache, out_cache, offset, grouped=None):
@@ -509,7 +600,7 @@ def _attend(n, args, attrs, ctx, cache, out_cache, offset, grouped=None):
 UNROLL_MAX = 48
 
 
-def _repeat(p, node, env, params, tokens, ctx, cache, out_cache, offset):
+def _repeat(p, node, env, params, tokens, ctx, cache, out_cache, offset, valid):
   body = node.attr("body")
   stacked = {k: params[k] for k in body.params}
   outer = {k: v for k, v in params.items() if k not in stacked}
@@ -521,7 +612,8 @@ def _repeat(p, node, env, params, tokens, ctx, cache, out_cache, offset):
     local = dict(env)
     local[body.carry.uid] = carry
     inner: dict = {}
-    _run(p, nodes, local, {**outer, **layer_params}, tokens, ctx, layer_cache, inner, offset)
+    _run(p, nodes, local, {**outer, **layer_params}, tokens, ctx, layer_cache, inner, offset,
+         valid)
     return local[body.output.uid], inner
 
   n = jax.tree_util.tree_leaves(stacked)[0].shape[0] if stacked else node.attr("n")

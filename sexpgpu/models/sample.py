@@ -116,7 +116,7 @@ def incremental_decoder(pl, ctx, s: Settings):
   def run(params, buf, n):
     key = jax.random.key(s.seed)
     empty = dec.empty_cache(pl, params, ctx)
-    logits, cache = dec.run(pl, params, buf[None, :], ctx, empty, jnp.int32(0))
+    logits, cache = dec.run(pl, params, buf[None, :], ctx, empty, jnp.int32(0), n)
     first = choose(logits[0, n - 1].astype(jnp.float32), jax.random.fold_in(key, 0), s)
     out = jnp.zeros((s.tokens,), jnp.int32).at[0].set(first)
 
