@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from types import SimpleNamespace
-
 import numpy as np
 
+from sexpgpu.ckpt import meta as ckpt_meta
 from sexpgpu.errors import SxError
 from sexpgpu.models import source, twin
 
@@ -18,13 +17,13 @@ FORMATS = ("safetensors", "hf")
 
 def _metadata(c, meta: dict) -> dict[str, str]:
   """safetensors metadata (text only): what the weights are of, and at which step."""
-  from sexpgpu.run import saving
-  knobs = meta.get("knobs") or {k: saving.jsonable(v.value) for k, v in c.selection.knobs.items()}
+  knobs = meta.get("knobs") or {k: ckpt_meta.jsonable(v.value)
+                                for k, v in c.selection.knobs.items()}
   return {"format": source.SX_FORMAT, "fingerprint": str(meta.get("fingerprint", c.fingerprint)),
           "graph_fingerprint": str(meta.get("graph_fingerprint", c.graph_fingerprint)),
           "slug": str(meta.get("slug", c.slug)), "step": str(int(meta.get("step", 0))),
           "knobs": json.dumps(knobs, sort_keys=True),
-          "versions": json.dumps(meta.get("versions") or saving.versions(), sort_keys=True)}
+          "versions": json.dumps(meta.get("versions") or ckpt_meta.versions(), sort_keys=True)}
 
 
 def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str]) -> None:
@@ -113,18 +112,18 @@ def write_step0(c, params: dict[str, np.ndarray], out: str) -> str:
   from sexpgpu.ir.ops import DTYPES
   from sexpgpu.lower.optim import make_optimizer
   from sexpgpu.lower.step import init_state
-  from sexpgpu.run import saving
   opt, _ = make_optimizer(c.exp.optimizer, int(c.exp.run["steps"]))
   host = {k: jax.numpy.asarray(v, DTYPES[c.params[k].dtype]) for k, v in params.items()}
   state = init_state(host, opt)
   counters = {"records": 0}
   if any("tokens" in f for f in c.fields.values()):
     counters["tokens"] = 0
-  progress = SimpleNamespace(stage=0, counters=counters, last_pass={}, train_loss=None)
-  place = SimpleNamespace(ranks=1, nodes=1, mesh=None, first=SimpleNamespace(platform="cpu"))
-  meta = saving.meta(c, progress, 0, place, "f32", 1,
-                     {n: ld.state() for n, ld in c.loaders.items()})
-  meta.pop("stacking")  # a run from here chooses its own
+  ident = ckpt_meta.identity(c.fingerprint, c.graph_fingerprint, c.slug,
+                             {k: v.value for k, v in c.selection.knobs.items()},
+                             c.program.sources)
+  # No stacking: a run from here chooses its own.
+  meta = ckpt_meta.build(ident, 0, 0, counters=counters, last_pass={}, train_loss=None,
+                         loaders={n: ld.state() for n, ld in c.loaders.items()})
   meta["imported"] = True
   with CheckpointStore(out, c.slug, keep=1, where="-o") as store:
     store.save(0, state, meta, wait=True)

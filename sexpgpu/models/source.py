@@ -55,10 +55,9 @@ def checkpoint_params(step_dir: str) -> tuple[dict[str, np.ndarray], dict]:
 
 def check_experiment(c, meta: dict, step_dir: str) -> None:
   """E-CKPT-002 when the checkpoint is of another experiment than `c`, as --resume says."""
-  from types import SimpleNamespace
-  from sexpgpu.run import saving
-  place = SimpleNamespace(ranks=meta.get("ranks", 1), nodes=meta.get("nodes", 1))
-  saving.check_same(c, place, meta, step_dir)
+  from sexpgpu.ckpt.meta import check_experiment
+  check_experiment(meta, step_dir, c.fingerprint,
+                   {k: v.value for k, v in c.selection.knobs.items()})
 
 
 def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict]:

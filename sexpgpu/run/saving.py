@@ -1,82 +1,163 @@
-"""The run's side of checkpoints: what a checkpoint's meta holds, saving, restoring, checking."""
+"""The run's side of checkpoints: saving (Saver), resuming, and the checks of a resume.
+
+What a checkpoint's meta holds is ckpt/meta.py's; this module fills it from the run.
+"""
 
 from __future__ import annotations
 
-import platform
+import contextlib
 import time
-from typing import Any
 
 import jax
 import numpy as np
 
-from sexpgpu.errors import SxError
-from sexpgpu.lang.select import NOT_IN_FINGERPRINT, format_value
+from sexpgpu.ckpt import meta as ckpt_meta
 
 
-def jsonable(v: Any) -> Any:
-  """A knob value as JSON: numbers and booleans as they are, anything else as text."""
-  if isinstance(v, (bool, int, float)) or v is None:
-    return v
-  return str(v)
-
-
-def versions() -> dict:
-  """The versions a checkpoint and the config event record."""
-  import jaxlib
-  from importlib.metadata import version
-  return {"sexpgpu": version("sexpgpu"), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "python": platform.python_version()}
-
-
-def meta(c, progress, step: int, place, node_gradients: str, stacking: int,
-         loader_states: dict, sharding: str = "replicate") -> dict:
-  """The meta written beside the state: everything a resume needs besides the arrays.
-
-  Args:
-    c: the Compiled experiment.
-    progress: the run's Progress (stage, counters, last pass, train loss).
-    step: the step the state is at.
-    place: the run's Placement.
-    node_gradients, stacking: how the run sums its gradients (a resume keeps both).
-    loader_states: loader name → state as of `step` (not as of batches drawn ahead).
-    sharding: the run's :sharding (a resume may choose another on the same devices).
-  """
-  out = {"fingerprint": c.fingerprint, "graph_fingerprint": c.graph_fingerprint,
-         "slug": c.slug, "step": step, "stage": progress.stage, "ranks": place.ranks,
-         "nodes": place.nodes, "node_gradients": node_gradients, "stacking": stacking,
-         "sharding": sharding,
-         "mesh": dict(place.mesh.shape) if place.mesh is not None else {},
-         "counters": dict(progress.counters), "last_pass": dict(progress.last_pass),
-         "train_loss": progress.train_loss, "loaders": dict(loader_states),
-         "knobs": {k: jsonable(v.value) for k, v in c.selection.knobs.items()},
-         "versions": versions(), "sources": dict(c.program.sources)}
-  if place.first.platform != "cpu":
-    from sexpgpu.run.devices import autotune_results
-    tuned = autotune_results()  # under SEXPGPU_DETERMINISTIC: a resume picks the same kernels
-    if tuned is not None:
-      out["xla_autotune"] = tuned
-  return out
+def identity(c) -> dict:
+  """The experiment's identity in a checkpoint's meta (fingerprints, slug, knobs, sources)."""
+  return ckpt_meta.identity(c.fingerprint, c.graph_fingerprint, c.slug,
+                            {k: v.value for k, v in c.selection.knobs.items()},
+                            c.program.sources)
 
 
 def check_same(c, place, meta_: dict, step_dir: str) -> None:
   """Refuses a checkpoint of another rank count (E-DP-002) or experiment (E-CKPT-002)."""
-  ranks, nodes = place.ranks, place.nodes
-  if meta_.get("ranks", 1) != ranks or meta_.get("nodes", 1) != nodes:
-    raise SxError("E-DP-002", f"the checkpoint was written by {meta_.get('ranks')} ranks on "
-                  f"{meta_.get('nodes')} nodes; this run has {ranks} rank"
-                  f"{'s' if ranks != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}",
-                  where=step_dir, fix="resume with the checkpoint's nodes and devices")
-  if meta_.get("fingerprint") == c.fingerprint:
-    return
-  theirs = meta_.get("knobs", {})
-  ours = {k: v.value for k, v in c.selection.knobs.items()}
-  diffs = [f"{k} {format_value(theirs.get(k))} → {format_value(ours.get(k))}"
-           for k in sorted(set(theirs) | set(ours)) if k not in NOT_IN_FINGERPRINT
-           and str(theirs.get(k)) != str(ours.get(k))]
-  what = ("knobs differ: " + ", ".join(diffs)) if diffs else "the model's IR differs"
-  raise SxError("E-CKPT-002", f"the checkpoint is of another experiment ({what})",
-                where=step_dir, fix="resume with the selection that wrote it, or start afresh "
-                "without --resume")
+  ckpt_meta.check_placement(meta_, step_dir, place.ranks, place.nodes)
+  ckpt_meta.check_experiment(meta_, step_dir, c.fingerprint,
+                             {k: v.value for k, v in c.selection.knobs.items()})
+
+
+def resumed_plan(c, place, resume_dir: str | None, stacking: int | None) -> tuple[int, int | None]:
+  """The stage to plan for and the stacking to keep: a resume's, checked to be of this
+  experiment and placement, else stage 0 and `stacking` (SEXPGPU_STACKING or None).
+
+  Raises:
+    SxError: E-DP-002, E-CKPT-002 (check_same); E-CKPT-003 for an unreadable meta.
+  """
+  if resume_dir is None:
+    return 0, stacking
+  from sexpgpu.ckpt import read_meta
+  meta_ = read_meta(resume_dir)
+  check_same(c, place, meta_, resume_dir)
+  if "stacking" in meta_:
+    stacking = int(meta_["stacking"])  # a resume keeps its stacking: the same sums
+  return int(meta_["stage"]), stacking
+
+
+def resume(c, training, resume_dir: str, progress, metrics):
+  """The state of the checkpoint at `resume_dir`, placed as the run keeps it; the run's
+  progress and loaders as they were at its step.
+
+  Returns:
+    (the state, the step it is at).
+  """
+  stage = progress.stage  # the checkpoint's (resumed_plan)
+  abstract_state = training.abstract_state(stage)
+  state, meta_, secs = restore(resume_dir, abstract_state, training.place,
+                               lambda s: training.place_state(s, stage),
+                               training.place_abstract(abstract_state, stage),
+                               training.sharding != "replicate")
+  start = int(meta_["step"])
+  progress.stage = int(meta_["stage"])
+  progress.base["stage"] = progress.stage
+  progress.counters = {n: int(v) for n, v in meta_["counters"].items()}
+  progress.last_pass = dict(meta_.get("last_pass") or {})
+  progress.train_loss = meta_.get("train_loss")
+  for n, st in meta_["loaders"].items():
+    c.loaders[n].set_state(st)
+  progress.checkpointed(start, resume_dir)
+  metrics.emit("checkpoint", step=start, action="restored", location=resume_dir, bytes=None,
+               seconds=secs)
+  return state, start
+
+
+class Saver:
+  """The run's checkpoints: when they are due, what their meta says, saving on one node or
+  several, and the `checkpoint` events of what was saved. A context: the store is closed
+  at the end (orbax's threads, a remote run's staging folder), quietly when an error is
+  already on its way out.
+  """
+
+  def __init__(self, store, c, training, progress, metrics, rdv):
+    """Args: store: the CheckpointStore, or None (nothing is saved); c, training: the
+    experiment and its Training; progress, metrics: what the meta and the events record;
+    rdv: the rendezvous of several nodes, or None."""
+    self.store, self.c, self.training = store, c, training
+    self.progress, self.metrics, self.rdv = progress, metrics, rdv
+    self.every = int(c.exp.run["checkpoint-every"])
+
+  def __enter__(self) -> "Saver":
+    return self
+
+  def __exit__(self, kind, value, tb) -> None:
+    if self.store is None:
+      return
+    if kind is None:
+      self.store.close()
+    else:
+      with contextlib.suppress(Exception):  # the error in flight is the one to report
+        self.store.close()
+
+  def due(self, step: int) -> bool:
+    """Whether `:checkpoint-every` falls on `step`."""
+    return bool(self.every) and step % self.every == 0
+
+  def meta(self, step: int, stacking: int, loader_states: dict) -> dict:
+    """The meta of a checkpoint at `step` (loaders as of `step`, not as drawn ahead)."""
+    p, place, training = self.progress, self.training.place, self.training
+    out = ckpt_meta.build(identity(self.c), step, p.stage, counters=p.counters,
+                          last_pass=p.last_pass, train_loss=p.train_loss, loaders=loader_states,
+                          ranks=place.ranks, nodes=place.nodes,
+                          node_gradients=training.node_gradients, stacking=stacking,
+                          sharding=training.sharding,
+                          mesh=dict(place.mesh.shape) if place.mesh is not None else {})
+    if place.first.platform != "cpu":
+      from sexpgpu.run.devices import autotune_results
+      tuned = autotune_results()  # under SEXPGPU_DETERMINISTIC: a resume picks the same kernels
+      if tuned is not None:
+        out["xla_autotune"] = tuned
+    return out
+
+  def save(self, step: int, state: dict, stacking: int, loader_states: dict,
+           wait: bool) -> None:
+    """Saves `state` as step `step` (nothing without a store); `wait`: until committed."""
+    if self.store is None:
+      return
+    self.progress.set_status("checkpointing", step)
+    meta_ = self.meta(step, stacking, loader_states)
+    place = self.training.place
+    if place.multiprocess:
+      if self.training.sharding == "replicate":
+        save_nodes(self.store, state, meta_, step, place, self.rdv)
+      else:
+        save_sharded_nodes(self.store, state, meta_, step, self.rdv)
+      self.saved()
+      if place.node != 0:  # node 0 wrote it, and every node waited until it was committed
+        self.progress.last_ckpt = self.store.step_dir(step)
+      return
+    self.saved()  # the previous save completes first
+    self.store.save(step, state, meta_, wait=wait)
+    if wait:
+      self.saved()
+
+  def saved(self) -> None:
+    """Waits for the save in flight; its `checkpoint` event once it is committed."""
+    info = self.store.wait()
+    if info is not None and info.location != self.progress.last_ckpt:
+      self.progress.checkpointed(info.step, info.location)
+      self.metrics.emit("checkpoint", step=info.step, action="saved", location=info.location,
+                        bytes=info.bytes, seconds=info.seconds)
+
+  def finish(self, step: int, state: dict, stacking: int, loader_states: dict,
+             new_steps: bool) -> None:
+    """The last checkpoint: after the last step or a stop, when this session trained a
+    step or did not resume (a resume at its checkpoint's step writes nothing new)."""
+    if self.store is None:
+      return
+    if new_steps:
+      self.save(step, state, stacking, loader_states, wait=True)
+    self.saved()
 
 
 def restore(step_dir: str, abstract_state: dict, place, put=None,

@@ -1,0 +1,112 @@
+"""The run's passes: evaluation passes with their progress lines, defsample passes, and the
+curriculum stage that the passes' numbers decide."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from sexpgpu.errors import SxError
+from sexpgpu.front.build import Builder
+from sexpgpu.front.values import Env
+from sexpgpu.run import output
+from sexpgpu.run.stepping import quiet
+
+
+def due(p, step: int, c) -> bool:
+  """Whether pass `p` runs after `step` (`--eval-every` replaces every pass's :every)."""
+  every = p.every if c.exp.run.get("eval-every") is None else c.exp.run.get("eval-every")
+  return bool(every) and step % every == 0
+
+
+class Passes:
+  """Runs the passes due at a step, and moves the curriculum on when its condition holds."""
+
+  def __init__(self, c, training, samplers, metrics, progress, log, resumed_at: int | None):
+    """Args: c: the Compiled experiment; training: its Training; samplers: its Samplers;
+    metrics, progress, log: where the numbers go; resumed_at: the step a resume starts
+    at (its passes ran before the checkpoint), else None."""
+    self.c, self.training, self.samplers = c, training, samplers
+    self.metrics, self.progress, self.log = metrics, progress, log
+    self.resumed_at = resumed_at
+
+  def due(self, step: int, at_end: bool) -> bool:
+    """Whether any pass or sample runs after `step`."""
+    return (at_end or any(due(p, step, self.c) for p in self.c.exp.passes.values())
+            or self.samplers.due(step, at_end))
+
+  def run(self, state, step: int, at_end: bool, lock) -> bool:
+    """Every pass and sample due at `step`, holding `lock` (the loader's, which a pass may
+    read); returns whether an evaluation pass ran."""
+    place = self.training.place
+    # A pass gathers sharded parameters over the nodes: gloo announces each new group of
+    # peers on our output when a pass first runs its collectives.
+    with quiet(place.multiprocess and self.training.sharding != "replicate"):
+      with lock:
+        ran = self._evaluate(state, step, at_end)
+      self.samplers.run(place, state["params"], step, self.progress.steps, at_end,
+                        self.resumed_at, self.metrics, self.progress, self.log)
+    return ran
+
+  def _evaluate(self, state, step: int, at_end: bool) -> bool:
+    c, training, progress = self.c, self.training, self.progress
+    place = training.place
+    ran = False
+    for name, p in c.exp.passes.items():
+      if not (due(p, step, c) or at_end) or step == self.resumed_at:
+        continue
+      progress.set_status("evaluating", step)
+      t = time.perf_counter()
+      loader = c.loaders[p.data]
+      sums: dict[str, Any] = {}
+      for i in range(p.batches):
+        batch = place.replicate(loader.batch(i))
+        vals = training.pass_steps[name](state["params"], batch)
+        for mname, v in vals.items():
+          sums[mname] = v if mname not in sums else sums[mname] + v
+      # host sync: the progress line needs the numbers
+      values = {f"{name}/{mname}": float(place.host(sums[mname])) / p.batches
+                for mname, _ in p.metrics}
+      dt = time.perf_counter() - t
+      if name in progress.first_pass:
+        progress.pass_times[name].append(dt)
+      else:
+        progress.first_pass[name] = dt
+      progress.last_pass.update(values)
+      self.metrics.emit("pass", step=step, **{"pass": name, "metrics": values, "time/pass": dt})
+      self.log(output.progress_line(name, step, progress.steps, None if step == 0 or
+                                    progress.train_loss is None else progress.train_loss,
+                                    values, progress.counters["records"],
+                                    progress.since_first_step()))
+      bad = [m for m, v in values.items() if not np.isfinite(v)]
+      if bad and training.on_nan == "stop":
+        # The steps' guard keeps a non-finite update out; a finite but diverged state can
+        # still evaluate to inf or nan, and a run must not end as if that were a result.
+        raise SxError("E-NUM-001", f"{', '.join(bad)} is not finite at step {step}",
+                      where=c.program.path, fix="lower the learning rate or add :clip; the "
+                      "last checkpoint before this step is intact")
+      ran = True
+    return ran
+
+  def advance(self, step: int) -> bool:
+    """Moves to the next curriculum stage when its condition holds; returns whether it did."""
+    stages, progress = self.c.stages, self.progress
+    if progress.stage + 1 >= len(stages):
+      return False
+    nxt = stages[progress.stage + 1]
+    env = Env(self.c.exp.env, dict(progress.last_pass))
+    try:
+      holds = Builder(env).eval(nxt.when, env)
+    except SxError as e:
+      if e.code == "E-NAME-001":
+        return False  # a metric the condition names has not been measured yet
+      raise
+    if holds is None or holds is False:
+      return False
+    self.metrics.emit("stage", step=step, **{"from": progress.stage, "to": progress.stage + 1,
+                                             "reason": str(nxt.when)})
+    progress.stage += 1
+    progress.base["stage"] = progress.stage
+    return True

@@ -1,0 +1,112 @@
+"""What a run reports besides its steps: the lowering and memory annotations, the stacking
+choice, and the finishing lines (timing block, profile, the `memory: peak` line)."""
+
+from __future__ import annotations
+
+import time
+
+from sexpgpu.run import output
+
+
+def annotate(c, training, choice, metrics, place, log) -> None:
+  """The lowering, memory and stacking annotations; on a GPU the lowering report's lines."""
+  from sexpgpu.devices.report import lowering_annotation, lowering_report
+  compiled = next(iter(choice.executables.values()))
+  regions = region_lines(c.regions, training.step(0, choice.degree).notes)
+  ann = lowering_annotation(place.first, c.patterns, regions, compiled, choice.plan, choice.text)
+  metrics.emit("annotation", name="lowering", text="\n".join(ann["lines"]),
+               **{n: v for n, v in ann.items() if n not in ("kind", "lines")})
+  metrics.emit("annotation", name="memory", text=choice.plan.text(), parts=choice.plan.parts,
+               peak_at=choice.plan.peak_at, total=choice.plan.total, free=choice.plan.free)
+  emit_stacking(choice, metrics)
+  if place.first.platform != "cpu":
+    for line in lowering_report(place.first, c.patterns, regions, compiled, choice.plan,
+                                choice.text):
+      log(line)
+
+
+def emit_stacking(choice, metrics) -> None:
+  """The stacking annotation: the degree, how it was chosen, each degree's plan and cost."""
+  metrics.emit("annotation", name="stacking", text=choice.text, degree=choice.degree,
+               how=choice.how, plans={str(d): t for d, t in choice.totals.items()},
+               predicted={str(d): t for d, t in choice.predicted.items()})
+
+
+def measured(choice, training, stage: int, state, batches, metrics):
+  """The stacking chosen by timing each degree on the first step's batches, annotated."""
+  from sexpgpu.run import plan
+  from sexpgpu.run.compile import cache_dir
+  choice = plan.measure(choice, training, stage, state, batches, training.place.first,
+                        cache_dir())
+  emit_stacking(choice, metrics)
+  return choice
+
+
+def finish(c, progress, counter, timings: dict, first: int, last: int, profile, place, choice,
+           metrics, log, t_begin: float) -> float:
+  """The timing block, the profile line and the `memory: peak` line; returns the goodput.
+
+  Args:
+    c: the Compiled experiment (its graph's build time).
+    progress: the run's Progress (its step and pass times).
+    counter: the CompileCounter (kernels compiled, cache hits).
+    timings: `open` and `step0` in seconds.
+    first, last: the first step of this session minus one, and the last step trained.
+    profile: the run's Profile, or None.
+    place, choice: the run's Placement and stacking Choice (the memory plan).
+    metrics, log: where the annotations and lines go.
+    t_begin: when the run began (perf_counter).
+
+  Returns:
+    The share of the run's wall time spent in training steps, rounded to 4 places.
+  """
+  total = time.perf_counter() - t_begin
+  compiled_n, compile_s, hits = counter.snapshot()
+  for line in output.timing_lines(c.graph_seconds, timings["open"], compiled_n, compile_s, hits,
+                                  timings["step0"], progress.first_pass, progress.step_times,
+                                  first + 1, last, progress.pass_times, total, last - first):
+    log(line)
+  if profile is not None and (line := profile.line()) is not None:
+    log(line)
+    metrics.emit("annotation", name="profile", text=line, folder=profile.folder)
+  peak_line(place, choice, metrics, log)
+  goodput = sum(progress.step_times) / max(time.perf_counter() - t_begin, 1e-9)
+  return round(min(goodput, 1.0), 4)
+
+
+def peak_line(place, choice, metrics, log) -> None:
+  """On a GPU: `memory: peak X of Y planned (+Z%)`, the allocator's peak against the plan."""
+  from sexpgpu.devices.memory import peak_line as line_of
+  from sexpgpu.run.devices import peak_bytes
+  if place.first.platform == "cpu":
+    return
+  peak = peak_bytes(place.first)
+  if peak is not None:
+    line = line_of(peak, choice.plan)
+    log(line)
+    metrics.emit("annotation", name="memory peak", text=line, peak=peak,
+                 planned=choice.plan.total)
+
+
+def region_lines(regions, notes) -> list[tuple[str, str]]:
+  """The lowering report's region lines: what each recognized region became."""
+  out = []
+  att = [r for r in regions if r.kind == "attention"]
+  if att:
+    n = sum(r.times for r in att)
+    impls = sorted({nt["impl"] for nt in notes if nt.get("kind") == "attention"})
+    whys = sorted({nt.get("why") for nt in notes if nt.get("kind") == "attention" and nt.get("why")})
+    how = {"cudnn": "cudnn fused attention", "pallas": "Pallas flash attention",
+           "xla": "XLA attention"}
+    became = " + ".join(how[i] for i in impls) or "XLA attention"
+    causal = "causal" if all(r.detail.startswith("causal") for r in att) else "mixed masks"
+    if any("segment mask" in r.detail for r in att):
+      causal += ", segment mask"
+    text = f"{n} region{'s' if n != 1 else ''} → {became} ({causal})"
+    if whys and "cudnn" not in impls:
+      text += f": {'; '.join(whys)}"
+    out.append(("attention", text))
+  for r in regions:
+    if r.kind == "cross-entropy":
+      out.append(("cross-entropy", f"{r.times} region → chunked, {r.detail}"))
+  return out

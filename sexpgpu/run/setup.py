@@ -1,0 +1,174 @@
+"""A run's set-up before its plan: the backend and devices, the checkpoint location and the
+resume, the metrics targets with the configuration line, and the training steps."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from sexpgpu.ckpt import meta as ckpt_meta
+from sexpgpu.errors import SxError
+from sexpgpu.run import output
+from sexpgpu.run.devices import (MMAP_CEILING, TRIM_CEILING, microbatches_divide, open_devices,
+                                 parse_device_list)
+from sexpgpu.run.training import build
+
+
+def wants_kept_host_memory(c) -> bool:
+  """Whether keeping host memory between steps pays for this experiment on the CPU.
+
+  It does when a microbatch's forward values (an estimate of the step's temporary
+  buffer, counted from the IR) lie between glibc's mmap ceiling, below which glibc
+  reuses buffers without help, and its trim ceiling, above which it gives a freed
+  buffer back to the OS anyway (devices.keep_host_memory).
+  """
+  from sexpgpu.lower.flops import forward_bytes
+  return MMAP_CEILING < max(forward_bytes(s.graph) for s in c.stages) <= TRIM_CEILING
+
+
+def open_backend(c, o, nodes_cfg, progress):
+  """Starts the backend and opens the run's devices.
+
+  Returns:
+    (the Placement, the rendezvous of several nodes or None, seconds it took).
+
+  Raises:
+    SxError: E-DEV-*, E-DP-* (devices, nodes, microbatches that do not divide).
+  """
+  ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
+  t_open = time.perf_counter()
+  rdv = _before_backend(c, o, nodes_cfg, ordinals, progress)
+  if rdv is not None:  # E-DP-007 names it, also when a thread of ours sees a node leave
+    rdv.checkpoint = lambda: progress.last_ckpt
+  place = open_devices(o.device, ordinals, nodes_cfg)
+  open_s = time.perf_counter() - t_open
+  microbatches_divide(int(c.exp.run["microbatches"]), place.ranks)
+  return place, rdv, open_s
+
+
+def _before_backend(c, o, nodes_cfg, ordinals, progress):
+  """What must happen before anything starts a JAX backend; returns the rendezvous or None."""
+  if o.device == "cpu" and wants_kept_host_memory(c):
+    from sexpgpu.run.devices import keep_host_memory
+    keep_host_memory()
+  if o.device == "cuda":  # on one node or several
+    from sexpgpu.run.devices import autotune_of, deterministic, deterministic_flags
+    deterministic_flags(autotune_of(_resume_meta(c, o)) if deterministic() else None)
+  if nodes_cfg is None:
+    return None
+  from sexpgpu.devices import nodes
+  from sexpgpu.devices.env import rendezvous_timeout
+
+  def on_timeout(err):
+    progress.failed(err.code, err.message)
+
+  if o.device == "cpu":
+    from sexpgpu.run.devices import cpu_flags
+    cpu_flags()
+    if ordinals:  # SEXPGPU_DEVICES=0,1 gives each node that many host devices
+      import jax
+      from sexpgpu.devices.env import check_visible, cpu_visible
+      check_visible(ordinals, cpu_visible(), "cpu")
+      if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", max(ordinals) + 1)
+  return nodes.initialize(nodes_cfg, rendezvous_timeout(), on_timeout, ordinals)
+
+
+def _resume_meta(c, o) -> dict | None:
+  """The meta of the checkpoint --resume names, read before the device opens, or None."""
+  from sexpgpu.ckpt import peek_meta, resolve_resume
+  if not o.resume:
+    return None
+  try:
+    step_dir, _ = resolve_resume(o.resume, o.checkpoint_dir, c.slug)
+  except SxError:
+    return None  # reported with its code when the run resolves it again
+  return peek_meta(step_dir) if step_dir else None
+
+
+def open_checkpoints(c, o, node: int):
+  """The checkpoint store (None without a location) and the step folder to resume from.
+
+  Returns:
+    (store or None, step folder or None, the configuration line's `resume` field).
+
+  Raises:
+    SxError: E-CKPT-* for a location that cannot be written (node 0 checks) or a
+      resume that cannot be resolved.
+  """
+  store = None
+  if o.checkpoint_dir:
+    from sexpgpu.ckpt import CheckpointStore
+    store = CheckpointStore(o.checkpoint_dir, c.slug, int(c.exp.run["keep"]))
+    if node == 0:  # node 0 writes the checkpoints
+      store.check_writable()
+  if not o.resume:
+    return store, None, "-"
+  from sexpgpu.ckpt import resolve_resume
+  step_dir, text = resolve_resume(o.resume, o.checkpoint_dir, c.slug)
+  return store, step_dir, text
+
+
+def open_metrics(c, o, place, node: int, resume_text: str, log):
+  """The metrics targets (node 0 writes them), announced: the configuration line, the
+  `metrics:` line and the config event."""
+  from sexpgpu.track import open_metrics as open_targets
+  run = c.exp.run
+  metrics = open_targets(o.metrics if node == 0 else None, c.slug, where=o.metrics_where)
+  log(output.config_line(o.file, c.slug, o.device, int(run["steps"]), int(run["microbatches"]),
+                         evals_field(c.exp.passes, run.get("eval-every")),
+                         ",".join(c.diagnostics) or "-", run["precision"], run["seed"],
+                         o.checkpoint_dir or "-", resume_text, o.status or "-",
+                         ranks=place.ranks, nodes=place.nodes))
+  if metrics.describe():
+    log(f"metrics: {metrics.describe()}")
+  metrics.emit("config", file=c.program.path, fingerprint=c.fingerprint, device=o.device,
+               ranks=place.ranks, nodes=place.nodes,
+               knobs={n: {"value": ckpt_meta.jsonable(v.value), "source": v.source}
+                      for n, v in c.selection.knobs.items()},
+               versions=ckpt_meta.versions(), resume=resume_text)
+  return metrics
+
+
+def evals_field(passes: dict, every_override) -> str:
+  """The configuration line's `evals`: `eval@10,probe@end`, or `-`."""
+  if not passes:
+    return "-"
+  out = []
+  for name, p in passes.items():
+    every = p.every if every_override is None else every_override
+    out.append(f"{name}@{every}" if every else f"{name}@end")
+  return ",".join(out)
+
+
+def build_training(c, place, nodes_cfg, rdv, resume_dir: str | None, progress):
+  """The run's Training, once every node agrees that it runs the same experiment; the
+  model flops of a step and the device's peak (for MFU) go into `progress`.
+
+  Raises:
+    SxError: E-DP-006 when a node differs from node 0 at the rendezvous.
+  """
+  node_gradients = nodes_cfg.gradients if nodes_cfg else "f32"
+  if rdv is not None:
+    from sexpgpu.devices.nodes import compare_at_rendezvous
+    from sexpgpu.lang.select import NOT_IN_FINGERPRINT
+    compare_at_rendezvous({"nodes": place.nodes, "node": nodes_cfg.rank,
+                           "gpus": len(place.local_devices), "fingerprint": c.fingerprint,
+                           "gradients": node_gradients, "resume": resume_dir or "-",
+                           "knobs": {k: str(v.value) for k, v in c.selection.knobs.items()
+                                     if k in NOT_IN_FINGERPRINT}}, rdv)
+  training = build(c, place, node_gradients)
+  from sexpgpu.lower.flops import device_peak, train_flops
+  progress.flops = [train_flops(s.graph, training.k) for s in c.stages]
+  progress.peak = device_peak(place.first, training.precision)
+  if any("tokens" in f for f in c.fields.values()):
+    progress.counters["tokens"] = 0
+  return training
+
+
+def open_profile(c, o):
+  """The run's Profile when --profile asked for one, else None."""
+  if o.profile is None:
+    return None
+  from sexpgpu.run.profile import Profile, default_dir
+  return Profile(*o.profile, o.profile_dir or default_dir(c.slug, o.metrics))
