@@ -1,4 +1,9 @@
-"""`sexpgpu doctor`: checks the floor a run needs, one `ok|warn|fail <check>: <detail>` line each."""
+"""The machine's side of `sexpgpu doctor`: Python, JAX, the CUDA plugin, driver, GPUs and
+libraries, the SEXPGPU_* variables and the cache folder, one Check each.
+
+The checks of what lies above the devices (the checkpoint location) and the command that
+runs them all are `sexpgpu.cli.doctor`'s.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.parse
-from typing import Callable, Mapping
+from typing import Mapping
 
 from sexpgpu.devices import env as denv
 from sexpgpu.errors import SxError
@@ -41,7 +46,8 @@ class Check:
     return text + (f" — fix: {self.fix}" if self.fix and self.status == "fail" else "")
 
 
-def _from_error(name: str, e: SxError) -> Check:
+def from_error(name: str, e: SxError) -> Check:
+  """The fail line of a check that met an SxError: its code, message and fix."""
   return Check("fail", name, f"error[{e.code}] {e.message}", e.fix)
 
 
@@ -222,7 +228,7 @@ def check_devices(device: str, environ: Mapping[str, str]) -> Check:
     try:
       got = denv.parse_devices(value, visible, device)
     except SxError as e:
-      return _from_error("SEXPGPU_DEVICES", e)
+      return from_error("SEXPGPU_DEVICES", e)
     return Check("ok", "SEXPGPU_DEVICES", f"{value or 'unset'}: ranks on {device} "
                  f"{','.join(map(str, got))}")
   return Check("ok", "SEXPGPU_DEVICES", "unset: one device")
@@ -236,24 +242,24 @@ def check_nodes(device: str, environ: Mapping[str, str]) -> list[Check]:
                      f"node {cfg.rank} of {cfg.nodes}, rendezvous {cfg.rendezvous}, "
                      f"{cfg.gradients} gradients between nodes"))
   except SxError as e:
-    out.append(_from_error("nodes", e))
+    out.append(from_error("nodes", e))
   try:
     out.append(Check("ok", "SEXPGPU_RENDEZVOUS_TIMEOUT", f"{denv.rendezvous_timeout(environ):g} s"))
   except SxError as e:
-    out.append(_from_error("SEXPGPU_RENDEZVOUS_TIMEOUT", e))
+    out.append(from_error("SEXPGPU_RENDEZVOUS_TIMEOUT", e))
   if environ.get("SEXPGPU_MEMORY"):
     try:
       out.append(Check("ok", "SEXPGPU_MEMORY",
                        f"plans against {denv.parse_memory(environ['SEXPGPU_MEMORY'])} bytes"))
     except SxError as e:
-      out.append(_from_error("SEXPGPU_MEMORY", e))
+      out.append(from_error("SEXPGPU_MEMORY", e))
   return out
 
 
 def check_variables(environ: Mapping[str, str]) -> list[Check]:
   """The other SEXPGPU_* variables, by the parsers `run` uses: a fail line for each bad one."""
   own_line = ("SEXPGPU_RENDEZVOUS_TIMEOUT", "SEXPGPU_MEMORY")  # check_nodes reports them
-  bad = [_from_error(name, e) for name, e in denv.variable_errors(environ) if name not in own_line]
+  bad = [from_error(name, e) for name, e in denv.variable_errors(environ) if name not in own_line]
   return bad or [Check("ok", "variables", "every SEXPGPU_* variable set parses")]
 
 
@@ -284,76 +290,3 @@ def check_endpoint(environ: Mapping[str, str], timeout: float = 5.0) -> Check:
     return Check("fail", "s3 endpoint", f"{u.scheme}://{host}:{port} does not answer "
                  f"({e.strerror or e})", "check AWS_ENDPOINT_URL and the network")
   return Check("ok", "s3 endpoint", f"{u.scheme}://{host}:{port} answers")
-
-
-def check_checkpoints(environ: Mapping[str, str]) -> list[Check]:
-  from sexpgpu.ckpt.store import CheckpointStore
-  from sexpgpu.ckpt.where import is_remote, scrub
-  loc = environ.get("SEXPGPU_CHECKPOINT_DIR")
-  if not loc:
-    return [Check("ok", "checkpoints", "SEXPGPU_CHECKPOINT_DIR unset: none written")]
-  out = []
-  if loc.startswith("s3://"):
-    out.append(check_endpoint(environ))
-    if out[-1].status == "fail":
-      return out
-  try:
-    # Closed before the read-back removes the probe folder: the store's lock lives in it.
-    with CheckpointStore(loc, ".sexpgpu-doctor", 1, where="SEXPGPU_CHECKPOINT_DIR") as store:
-      store.check_writable()
-    if not is_remote(loc):
-      _read_back(store.run_dir)
-  except SxError as e:
-    out.append(_from_error("checkpoints", e))
-    return out
-  except OSError as e:
-    out.append(Check("fail", "checkpoints", f"{scrub(loc)} cannot be read back ({e})",
-                     "a checkpoint location this user can write and read"))
-    return out
-  out.append(Check("ok", "checkpoints", f"{scrub(loc)} writable and readable"))
-  return out
-
-
-def _read_back(folder: str) -> None:
-  path = os.path.join(folder, ".probe-read")
-  try:
-    with open(path, "wb") as f:
-      f.write(b"probe")
-    with open(path, "rb") as f:
-      if f.read() != b"probe":
-        raise OSError("read back differs")
-  finally:
-    try:
-      os.remove(path)
-      os.rmdir(folder)
-    except OSError:
-      pass
-
-
-def run_checks(device: str = "cpu", environ: Mapping[str, str] | None = None) -> list[Check]:
-  """Every check, in the order printed.
-
-  Args:
-    device: "cpu" (GPU findings are warnings) or "cuda" (they fail).
-    environ: the environment (default os.environ).
-  """
-  environ = os.environ if environ is None else environ
-  checks: list[Check] = [check_python(), *check_jax(), check_plugin(device), check_driver(device),
-                         *check_gpus(device), check_cudnn(device),
-                         check_lib(device, "nvrtc", "libnvrtc"),
-                         check_lib(device, "cublas", "libcublas"),
-                         check_devices(device, environ), *check_nodes(device, environ),
-                         *check_variables(environ),
-                         check_cache(environ), *check_checkpoints(environ)]
-  return checks
-
-
-def doctor(device: str = "cpu", environ: Mapping[str, str] | None = None,
-           write: Callable[[str], None] | None = None) -> int:
-  """Runs every check and prints one line each; returns 0 when nothing fails, else 1."""
-  write = write or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
-  failed = False
-  for c in run_checks(device, environ):
-    write(c.line())
-    failed |= c.status == "fail"
-  return 1 if failed else 0
