@@ -1,7 +1,12 @@
-"""The package's imports, read from the source: no cycle, no private API, layers that look one way."""
+"""The package's imports, read from the source: no cycle, no private API, layers that look one way.
+
+The order of the layers is README's: its layout lists every package of sexpgpu/, and each
+may import (at module level or inside a function) only the ones listed above it.
+"""
 
 import ast
 import os
+import shutil
 
 import pytest
 
@@ -20,13 +25,14 @@ LAYERS = {
 }
 
 
-def _modules() -> dict[str, str]:
-  """Module name → path, for every .py file of the package."""
+def _modules(pkg: str = PKG) -> dict[str, str]:
+  """Module name → path, for every .py file of the package at `pkg`."""
   out = {}
-  for dirpath, _, files in os.walk(PKG):
+  root = os.path.dirname(pkg)
+  for dirpath, _, files in os.walk(pkg):
     for f in files:
       if f.endswith(".py"):
-        rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].split(os.sep)
+        rel = os.path.relpath(os.path.join(dirpath, f), root)[:-3].split(os.sep)
         if rel[-1] == "__init__":
           rel = rel[:-1]
         out[".".join(rel)] = os.path.join(dirpath, f)
@@ -44,13 +50,13 @@ def _resolve(name: str, level: int, here: str, is_pkg: bool) -> str:
   return ".".join(base + ([name] if name else []))
 
 
-def _imports(mod: str) -> list[tuple[str, bool, int]]:
+def _imports(mod: str, modules: dict[str, str] = MODULES) -> list[tuple[str, bool, int]]:
   """(imported module, at module level, line) for each import of `mod`.
 
   `from P import x` names module P.x when that is a module of the package, else P.
   Imports under `if TYPE_CHECKING:` are left out (they never run).
   """
-  path = MODULES[mod]
+  path = modules[mod]
   is_pkg = path.endswith("__init__.py")
   with open(path, encoding="utf-8") as f:
     tree = ast.parse(f.read(), path)
@@ -70,7 +76,7 @@ def _imports(mod: str) -> list[tuple[str, bool, int]]:
         base = _resolve(child.module or "", child.level, mod, is_pkg)
         for a in child.names:
           sub = f"{base}.{a.name}"
-          found.append((sub if sub in MODULES else base, top, child.lineno))
+          found.append((sub if sub in modules else base, top, child.lineno))
       visit(child, inner)
 
   visit(tree, True)
@@ -143,3 +149,83 @@ def test_layers_look_one_way(package):
                                                    for a in allowed):
           bad.append(f"{mod}:{line} imports {name}")
   assert bad == []
+
+
+# --- the layers, in README's order ------------------------------------------------------------
+
+def layout_order(readme: str) -> list[str]:
+  """The packages and top-level modules README's layout lists, in its order (`reader/` →
+  sexpgpu.reader, `api.py` → sexpgpu.api): the first name of each entry of the block."""
+  section = readme[readme.index("## Layout"):]
+  start = section.index("```\n") + 4
+  block = section[start:section.index("```", start)]
+  out = []
+  for line in block.splitlines():
+    if line.startswith("  ") and not line.startswith("   "):
+      name = line.split()[0]
+      out.append("sexpgpu." + name.rstrip("/").removesuffix(".py"))
+  return out
+
+
+def package_of(mod: str) -> str:
+  """sexpgpu.run.loop → sexpgpu.run; sexpgpu.api → sexpgpu.api; sexpgpu → sexpgpu."""
+  return ".".join(mod.split(".")[:2])
+
+
+def back_arrows(modules: dict[str, str], order: list[str]) -> list[str]:
+  """Every import of a package listed at or below the importer's own place in `order`:
+  `mod:line imports name`. The package's own `__init__` (`import sexpgpu`, the front
+  door) stands above every layer."""
+  rank = {p: i for i, p in enumerate(order)}
+  bad = []
+  for mod in sorted(modules):
+    here = package_of(mod)
+    if here == "sexpgpu":
+      continue
+    for name, _, line in _imports(mod, modules):
+      there = package_of(name)
+      if (name.startswith("sexpgpu.") and there != here
+          and rank.get(there, len(order)) >= rank.get(here, -1)):
+        bad.append(f"{mod}:{line} imports {name}")
+  return bad
+
+
+with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as _f:
+  ORDER = layout_order(_f.read())
+
+
+def test_readme_lists_every_package_once():
+  packages = {package_of(m) for m in MODULES} - {"sexpgpu"}
+  assert sorted(ORDER) == sorted(set(ORDER)), ORDER
+  python = [p for p in ORDER if p in packages]
+  assert sorted(python) == sorted(packages)
+  # A listed name without Python is a folder of other files (std/, the .sx library).
+  for p in set(ORDER) - packages:
+    assert os.path.isdir(os.path.join(ROOT, *p.split("."))), p
+
+
+def test_packages_import_only_those_above_them_in_readme():
+  assert back_arrows(MODULES, ORDER) == []
+
+
+def test_an_upward_import_is_found(tmp_path):
+  """The check of the check: the real tree plus one module that imports upward, inside a
+  function, fails it, naming the module, the line and the import."""
+  copy = tmp_path / "sexpgpu"
+  shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__", "*.sx", "*.so"))
+  assert back_arrows(_modules(str(copy)), ORDER) == []
+  (copy / "ir" / "upward_probe.py").write_text(
+      '"""A probe."""\n\n\ndef f():\n  from sexpgpu.run import loop\n  return loop\n')
+  assert back_arrows(_modules(str(copy)), ORDER) == [
+      "sexpgpu.ir.upward_probe:5 imports sexpgpu.run.loop"]
+
+
+def test_a_package_at_the_same_place_is_no_back_arrow(tmp_path):
+  """Modules of one package import each other freely; a package listed above is allowed."""
+  (tmp_path / "sexpgpu" / "lower").mkdir(parents=True)
+  (tmp_path / "sexpgpu" / "__init__.py").write_text("")
+  (tmp_path / "sexpgpu" / "lower" / "__init__.py").write_text("")
+  (tmp_path / "sexpgpu" / "lower" / "a.py").write_text(
+      "from sexpgpu.lower import b\nfrom sexpgpu.ir import ops\nimport sexpgpu.errors\n")
+  (tmp_path / "sexpgpu" / "lower" / "b.py").write_text("")
+  assert back_arrows(_modules(str(tmp_path / "sexpgpu")), ORDER) == []
