@@ -227,13 +227,17 @@ def test_gpt2_steps_lower_for_cuda_on_two_ranks(two_ranks, sharding):
   assert _field(bf16, "attention").endswith("→ cudnn (causal)")
   assert _field(f32, "attention").endswith(
       "→ pallas-flash (causal): cuDNN: it takes bf16 or f16, not float32")
-  assert _field(f32, "pallas") == ("sexpgpu_flash_backward_dkv, sexpgpu_flash_backward_dq, "
-                                   "sexpgpu_flash_forward on triton")
   if sharding == "replicate":  # inside shard_map: the plain calls
+    assert _field(f32, "pallas") == ("sexpgpu_flash_backward_dkv, sexpgpu_flash_backward_dq, "
+                                     "sexpgpu_flash_forward on triton")
+    assert _field(f32, "custom calls") == "__gpu$xla.gpu.triton 4"
     assert _field(bf16, "custom calls") == "__cudnn$fmhaSoftmax 2, __cudnn$fmhaSoftmaxBackward 1"
-  else:  # cuDNN's custom partitioning, each call with its sharding rule
-    assert _field(bf16, "custom calls") == "CustomSPMDPartitioning 3"
-    assert _field(bf16, "sharding") == "3 custom calls carry a sharding rule"
+  else:  # custom partitioning (cuDNN's, and the flash kernels'), each call with its rule
+    assert _field(f32, "pallas").startswith("pallas-flash on triton, each call with its "
+                                            "sharding rule")
+    for text in (bf16, f32):  # the forward twice (remat), the backward once
+      assert _field(text, "custom calls") == "CustomSPMDPartitioning 3"
+      assert _field(text, "sharding") == "3 custom calls carry a sharding rule"
 
 
 def test_packed_documents_under_fsdp_lower_for_cuda(two_ranks):
@@ -242,5 +246,7 @@ def test_packed_documents_under_fsdp_lower_for_cuda(two_ranks):
   assert _field(bf16, "custom calls") == "CustomSPMDPartitioning 2"
   assert _field(f32, "attention").endswith(
       "→ pallas-segments (segments): cuDNN: it takes bf16 or f16, not float32")
+  assert _field(f32, "custom calls") == "CustomSPMDPartitioning 2"
+  assert _field(f32, "sharding") == "2 custom calls carry a sharding rule"
   assert _field(bf16, "attention", "pass eval").endswith("→ cudnn (segments): segments as "
                                                           "cuDNN's bias")

@@ -155,3 +155,54 @@ def test_bf16_node_gradients_cross_nodes_in_bf16_reduce_scatter_or_all_reduce():
   assert p.stdout.splitlines() == [
       "fsdp bf16 [('reduce_scatter', 'bf16')]", "fsdp f32 []",
       "hsdp bf16 [('all_reduce', 'bf16')]", "hsdp f32 []"], p.stdout
+
+
+_SPLIT_KERNEL = """
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from sexpgpu.lower import cuda_target
+from sexpgpu.lower.kernels import flash_attention as fa
+mesh = Mesh(np.array(jax.devices()), ("data",))
+rng = np.random.default_rng(0)
+q, k, v, w = (jnp.asarray(rng.normal(size=(2, 2, 2, 64, 16)), jnp.float32) for _ in range(4))
+seg = jnp.asarray(np.cumsum(rng.random((2, 2, 64)) < 0.1, axis=-1), jnp.int32)
+split_over = NamedSharding(mesh, P("data"))
+args = [jax.device_put(x, split_over) for x in (q, k, v, seg, w)]
+
+def step(split, interpret=True):
+  def loss(q, k, v, s, w):
+    return jnp.sum(fa.flash_attention(q, k, v, s, causal=True, scale=0.25, interpret=interpret,
+                                      split=split) * w)
+  return jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2)))  # the fsdp step's rank vmap
+
+out = {}
+for split in (False, True):
+  fn = jax.jit(step(split))
+  vals = [np.asarray(x).tolist() for x in jax.tree_util.tree_leaves(fn(*args))]
+  text = fn.lower(*args).compile().as_text()
+  cuda = cuda_target.lower_for_cuda(step(split, False), *[
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split_over) for x in args]).as_text()
+  out[str(split)] = {"vals": vals, "gathers": len(re.findall(r"all-gather\\(", text)),
+                     "calls": cuda_target.custom_calls(cuda),
+                     "rules": cuda_target.sharding_rules(cuda)}
+print(json.dumps(out))
+"""
+
+
+def test_flash_kernels_in_a_sharded_step_keep_the_batch_split():
+  """Under the fsdp step's vmap over ranks, with the ranks' axis split over 2 devices: the
+  kernels without a sharding rule make XLA gather their operands onto every device; with
+  it (`split`) no gather is left, the values are equal, and for CUDA each kernel call
+  carries its rule."""
+  p = subprocess.run([sys.executable, "-c", _SPLIT_KERNEL], cwd=ROOT, env=_env(2),
+                     capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  out = json.loads(p.stdout.strip().splitlines()[-1])
+  plain, split = out["False"], out["True"]
+  assert plain["gathers"] > 0 and split["gathers"] == 0
+  for a, b in zip(split["vals"], plain["vals"]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert plain["calls"] == {"__gpu$xla.gpu.triton": 3} and plain["rules"] == 0
+  # the forward and the backward (its two kernels in one partitioned call), each with a rule
+  assert split["calls"] == {"CustomSPMDPartitioning": 2} and split["rules"] == 2

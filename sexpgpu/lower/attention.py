@@ -75,8 +75,9 @@ def sdpa_gpu(ctx, q, k, v, segments=None, *, causal, scale):
     note.update(impl="pallas", kernel="pallas-segments" if masked else "pallas-flash",
                 backend=fa.BACKEND, why=f"cuDNN: {why}")
     ctx.notes.append(note)
+    # under the sharded step's vmap, the kernels get a sharding rule (batch and heads split)
     return fa.flash_attention(q.astype(ct), k.astype(ct), v.astype(ct), segments,
-                              causal=causal, scale=scale).astype(q.dtype)
+                              causal=causal, scale=scale, split=bool(ranks)).astype(q.dtype)
   note["why"] = (f"cuDNN: {why}; Pallas: {pallas_why}"
                  + ("; segment mask by XLA" if masked else ""))
   ctx.notes.append(note)
@@ -181,7 +182,8 @@ def _pallas_refusal(qs, ks, vs, ct, causal, scale, masked=False, ranks=0) -> str
     return _first_line(e)
   why = fa.refusal(qs, ks, vs, causal, ct, masked)
   if why is None:
-    attend = lambda q, k, v, s: fa.flash_attention(q, k, v, s, causal=causal, scale=scale)
+    attend = lambda q, k, v, s: fa.flash_attention(q, k, v, s, causal=causal, scale=scale,
+                                                   split=bool(ranks))
     try:
       _probe_grads(attend, qs, ks, vs, ct, masked, ranks)
     except Exception as e:  # a lowering refusal (Triton's, a shape's)

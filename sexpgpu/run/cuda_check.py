@@ -89,9 +89,14 @@ def _step_lines(c, text: str, notes: list) -> list[str]:
   calls = custom_calls(text)
   kernels = sorted(set(_PALLAS_NAME.findall(text))) if "__gpu$xla.gpu.triton" in calls else []
   mosaic = sum(n for t, n in calls.items() if "mosaic" in t.lower())
+  partitioned = sorted({f"{n['kernel']} on {n['backend']}" for n in notes
+                        if n.get("impl") == "pallas" and n.get("backend")})
   if kernels or mosaic:
     lines.append(_line("pallas", ", ".join(kernels) + (" on triton" if kernels else "")
                        + (f"; {mosaic} Mosaic GPU calls" if mosaic else "")))
+  elif partitioned:  # inside custom partitioning: the kernels lower when XLA partitions
+    lines.append(_line("pallas", ", ".join(partitioned) + ", each call with its sharding "
+                       "rule (its kernels lower when XLA partitions the step)"))
   lines.append(_line("custom calls", ", ".join(f"{t} {n}" for t, n in sorted(calls.items()))
                      or "none"))
   rules = sharding_rules(text)

@@ -338,20 +338,51 @@ def reference(q, k, v, segments=None, *, causal: bool, scale: float):
                     preferred_element_type=jnp.float32).astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, segments, causal, scale, interpret):
-  return flash_forward(q, k, v, segments, causal=causal, scale=scale, interpret=interpret)[0]
+@functools.cache
+def _split_kernels(causal: bool, scale: float, interpret: bool, seg: bool):
+  """The forward and the backward as calls whose batch and heads stay split (`sharded`)."""
+  from sexpgpu.lower.kernels.sharded import batch_split
+  tail = [2] if seg else []
+
+  def fwd(q, k, v, *s):
+    return tuple(flash_forward(q, k, v, s[0] if s else None, causal=causal, scale=scale,
+                               interpret=interpret))
+
+  def bwd(q, k, v, o, lse, do, *s):
+    return tuple(flash_backward(q, k, v, s[0] if s else None, o, lse, do, causal=causal,
+                                scale=scale, interpret=interpret))
+
+  return (batch_split(fwd, [4, 4, 4] + tail, [4, 3]),
+          batch_split(bwd, [4, 4, 4, 4, 3, 4] + tail, [4, 4, 4]))
 
 
-def _flash_fwd(q, k, v, segments, causal, scale, interpret):
-  o, lse = flash_forward(q, k, v, segments, causal=causal, scale=scale, interpret=interpret)
+def _forward(q, k, v, segments, causal, scale, interpret, split):
+  if split:
+    seg = () if segments is None else (segments.astype(jnp.int32),)
+    return _split_kernels(causal, scale, interpret, segments is not None)[0](q, k, v, *seg)
+  return flash_forward(q, k, v, segments, causal=causal, scale=scale, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, segments, causal, scale, interpret, split):
+  return _forward(q, k, v, segments, causal, scale, interpret, split)[0]
+
+
+def _flash_fwd(q, k, v, segments, causal, scale, interpret, split):
+  o, lse = _forward(q, k, v, segments, causal, scale, interpret, split)
   return o, (q, k, v, segments, o, lse)
 
 
-def _flash_bwd(causal, scale, interpret, res, g):
+def _flash_bwd(causal, scale, interpret, split, res, g):
   q, k, v, segments, o, lse = res
-  dq, dk, dv = flash_backward(q, k, v, segments, o, lse, g, causal=causal, scale=scale,
-                              interpret=interpret)
+  g = g.astype(q.dtype)
+  if split:
+    seg = () if segments is None else (segments.astype(jnp.int32),)
+    dq, dk, dv = _split_kernels(causal, scale, interpret, segments is not None)[1](
+        q, k, v, o, lse, g, *seg)
+  else:
+    dq, dk, dv = flash_backward(q, k, v, segments, o, lse, g, causal=causal, scale=scale,
+                                interpret=interpret)
   return dq, dk, dv, None
 
 
@@ -359,18 +390,20 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention(q, k, v, segments=None, *, causal: bool, scale: float,
-                    interpret: bool = False):
+                    interpret: bool = False, split: bool = False):
   """Differentiable flash attention: the Pallas forward and the Pallas backward.
 
   Head dims that are no power of two ≥ 16 are zero-padded to one (`padded`) around
   the kernels: padded query and key columns add nothing to the scores, padded value
   columns are cut from the output.
 
-  Args: as `flash_forward`. Returns: the attention's output in q's dtype.
+  Args: as `flash_forward`, and `split`: inside a sharded step, give the kernels a
+    sharding rule so their batch and heads stay split over the devices (`sharded`).
+  Returns: the attention's output in q's dtype.
   """
   d, dv = q.shape[-1], v.shape[-1]
   pad = lambda x, n: x if n == x.shape[-1] else jnp.pad(
       x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
   q, k, v = pad(q, padded(d)), pad(k, padded(d)), pad(v, padded(dv))
-  out = _flash(q, k, v, segments, causal, float(scale), interpret)
+  out = _flash(q, k, v, segments, causal, float(scale), interpret, split)
   return out if out.shape[-1] == dv else out[..., :dv]
