@@ -1,5 +1,5 @@
-"""Model flops counted from the IR (matmuls, einsums, attention), for tokens/s and MFU,
-and the bytes of the values a forward pass computes.
+"""Flops counted from the IR (each op's entry in FLOPS), for tokens/s and MFU, and the
+bytes of the values a forward pass computes.
 
 XLA's cost_analysis counts a scan body once, however many trips it makes, so the
 count here walks the IR instead and multiplies each repeat body by its size.
@@ -62,10 +62,42 @@ def _chunked_xent(node: Node) -> int:
   return 2 * math.prod(h.shape) * w.shape[-1]
 
 
+def _taps(n: int, k: int, stride: int, dilation: int, lo: int, out: int) -> int:
+  """Kernel taps that land inside an axis of size n, summed over its `out` outputs."""
+  return sum(1 for o in range(out) for j in range(k) if 0 <= o * stride - lo + j * dilation < n)
+
+
 def _conv(node: Node) -> int:
-  w = node.inputs[1]
-  # each output element is a dot product over the kernel's window and its input channels
-  return 2 * math.prod(node.shape) * math.prod(w.shape[:-1])
+  x, w = node.inputs[:2]
+  spatial = len(x.shape) - 2
+  per = lambda v: (v,) * spatial if isinstance(v, int) else tuple(v)  # noqa: E731
+  stride, dilation, padding = per(node.attr("stride")), per(node.attr("dilation")), \
+      node.attr("padding")
+  taps = 1
+  for i in range(spatial):
+    n, k, out = x.shape[1 + i], w.shape[i], node.shape[1 + i]
+    span = dilation[i] * (k - 1) + 1
+    if padding == "valid":
+      lo = 0
+    elif padding == "same":
+      lo = max((out - 1) * stride[i] + span - n, 0) // 2
+    elif padding == "causal":
+      lo = span - 1
+    else:
+      lo = padding[i][0]
+    taps *= _taps(n, k, stride[i], dilation[i], lo, out)
+  # taps that read padding multiply zeros, which XLA does not count and neither does this
+  return 2 * x.shape[0] * taps * w.shape[-2] * w.shape[-1]
+
+
+def _per_element(k: int):
+  """k flops an output element (XLA's count of an elementwise op: 1, a transcendental 0)."""
+  return lambda node: k * math.prod(node.shape)
+
+
+def _per_input_element(k: int):
+  """k flops an element of the first input (a reduction, a normalization over an axis)."""
+  return lambda node: k * math.prod(node.inputs[0].shape)
 
 
 register_flops(_matmul, "matmul")
@@ -73,25 +105,33 @@ register_flops(lambda n: _einsum_flops(n.attr("spec"), [i.shape for i in n.input
 register_flops(_sdpa, "sdpa")
 register_flops(_chunked_xent, "chunked-cross-entropy")
 register_flops(_conv, "conv")
+# Elementwise work counts as XLA's cost analysis counts it, so the counted FLOPs of a small
+# model agree with XLA's (products dominate a large one either way).
+register_flops(_per_element(1), "+", "-", "*", "/", "pow", "max", "min", "mod", "neg", "abs",
+               "square", "relu", "floor", "ceil", "round", "sign", "isfinite", "logical-not",
+               "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "where", "clip",
+               "causal-mask", "segment-mask", "silu", "scatter-add")
+register_flops(_per_element(2), "softplus", "dropout", "cumsum", "cumprod",
+               "linear-recurrence")
+register_flops(_per_element(8), "gelu")
 register_flops(
-    "not a product: MFU counts multiply-adds only",
-    "+", "-", "*", "/", "pow", "max", "min", "mod", "neg", "abs", "exp", "log", "sqrt", "rsqrt",
-    "square", "tanh", "cos", "sin", "sigmoid", "relu", "gelu", "silu", "erf", "softplus",
-    "log1p", "expm1", "floor", "ceil", "round", "sign", "isfinite", "logical-not",
-    "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "where", "cast", "clip",
-    "sum", "mean", "max-of", "min-of", "logsumexp", "argmax", "softmax", "log-softmax",
-    "causal-mask", "segment-mask", "dropout", "cross-entropy", "cumsum", "cumprod",
-    "linear-recurrence",
-    "max-pool", "avg-pool", "top-k", "top-k-indices", "sort", "argsort",
-    "bernoulli", "random-normal", "random-uniform", "random-int", "random-permutation")
+    "a transcendental: XLA counts it apart from FLOPs", "exp", "log", "sqrt", "rsqrt", "tanh",
+    "cos", "sin", "sigmoid", "erf", "log1p", "expm1")
+register_flops(_per_input_element(1), "sum", "mean", "max-of", "min-of", "argmax",
+               "max-pool", "avg-pool")
+register_flops(_per_input_element(3), "logsumexp")
+register_flops(_per_input_element(4), "softmax", "log-softmax", "cross-entropy")
+register_flops(
+    "compares and moves values: no arithmetic", "top-k", "top-k-indices", "sort", "argsort",
+    "bernoulli", "random-normal", "random-uniform", "random-int", "random-permutation", "cast")
 register_flops(
     "moves or makes values, computes none", "reshape", "transpose", "concat", "slice", "take",
     "one-hot", "expand", "squeeze", "broadcast", "tril", "triu", "flip", "tile", "pad",
-    "take-along", "scatter-add", "full", "iota", "tap", "stop-gradient")
+    "take-along", "full", "iota", "tap", "stop-gradient")
 
 
 def node_flops(node: Node) -> int:
-  """Multiply-add flops of one node (0 for ops that are not products).
+  """Flops of one node: 2 a multiply-add of a product, elementwise work as XLA counts it.
 
   Raises:
     KeyError: the op has no entry in FLOPS.
@@ -118,9 +158,43 @@ def forward_flops(graph: Graph) -> int:
   return _flops(list(graph.outputs.values()))
 
 
+# Products whose backward computes one product of the forward's size for each input that
+# needs a gradient (dA and dB of a matmul); attention's backward is twice its forward.
+_PER_INPUT = ("matmul", "conv", "chunked-cross-entropy")
+
+
+def _backward(roots: list[Node], needs: dict[int, bool]) -> int:
+  """Flops of the backward pass over `roots`; `needs` is filled with uid → whether the
+  value depends on a parameter (only such values carry a gradient)."""
+  total = 0
+  for node in walk(roots):
+    ins = [i for i in node.inputs if isinstance(i, Node)]
+    if node.op == "param":
+      needs[node.uid] = True
+    elif node.op in ("input", "carry"):
+      needs[node.uid] = node.op == "carry"
+    elif node.op == "repeat":
+      body = node.attr("body")
+      inner = {body.carry.uid: True}
+      total += node.attr("n") * _backward([body.output], inner)
+      needs[node.uid] = True
+    else:
+      flags = [needs.get(i.uid, False) for i in ins]
+      needs[node.uid] = any(flags) and node.op != "stop-gradient"
+      f = node_flops(node)
+      if node.op in _PER_INPUT:
+        total += f * sum(flags[:2])
+      elif any(flags):
+        total += 2 * f if node.op in ("sdpa", "einsum") else f
+  return total
+
+
 def train_flops(graph: Graph, microbatches: int) -> int:
-  """Flops of one optimizer step: forward and backward (3x forward) over every microbatch."""
-  return 3 * forward_flops(graph) * microbatches
+  """Flops of one optimizer step over every microbatch: the forward, and a backward that
+  computes only the gradients a parameter needs (no gradient of a batch's own inputs, which
+  the 6N rule counts and XLA does not compute)."""
+  roots = list(graph.outputs.values())
+  return (forward_flops(graph) + _backward(roots, {})) * microbatches
 
 
 def _value_bytes(roots: list[Node]) -> int:
