@@ -26,3 +26,27 @@ def _cache_dir(tmp_path_factory):
 def sexpgpu_cmd(*args):
   """The command line that runs the installed CLI with this interpreter."""
   return [sys.executable, "-m", "sexpgpu.cli.main", *args]
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+  """One moto S3 server on 127.0.0.1 for the whole session; yields its endpoint URL."""
+  from s3server import moto_server
+  with moto_server() as endpoint:
+    yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(moto_endpoint, monkeypatch, request):
+  """A fresh bucket on the session's moto server, named after the test, with this test's
+  environment pointing at the server as a run reads it (credentials, endpoint).
+
+  Yields:
+    (its name, an s3fs filesystem on the server).
+  """
+  from s3server import bucket_fs
+  monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+  monkeypatch.delenv("AWS_PROFILE", raising=False)
+  name = "t-" + "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())
+  name = name[:60].strip("-")
+  yield name, bucket_fs(moto_endpoint, name, monkeypatch)

@@ -1,14 +1,21 @@
-"""A stop signal at any moment of a run's first two seconds: exit 128 + n, status `stopped`."""
+"""A stop signal at any moment of a run: exit 128 + n, status `stopped` by that signal, and
+a last line that says where the run stopped and where its checkpoint is."""
 
 import json
+import os
 import signal
 import subprocess
 import time
 
 import pytest
 
+import sexpgpu
 from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.data import synthetic
 from sexpgpu.run import signals
+
+TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+STARTUP_LINE = "stopped: {} during start-up, before the first step; no checkpoint written"
 
 MOMENTS = 20  # spread over the first two seconds
 SPAN = 2.0
@@ -46,6 +53,76 @@ def test_signal_at_twenty_moments(tmp_path):
     assert "Traceback" not in err and "error[" not in err, f"{what}\n{err}"
     st = json.loads(status.read_text())
     assert st["state"] == "stopped", f"{what}: {st}"
+    name = signals.SIGNALS[sig]
+    assert st["stopped_by"] == name, f"{what}: {st}"
+    last = err.splitlines()[-1]
+    in_loop = last.startswith(f"stopped: {name} at step {st['step']}/100000; ")
+    assert in_loop or (st["step"] == 0 and last == STARTUP_LINE.format(name)), f"{what}\n{err}"
+
+
+def test_a_stop_during_start_up_says_so_and_records_its_signal(tmp_path):
+  status = tmp_path / "s.json"
+  p = _start(status)
+  p.send_signal(signal.SIGHUP)  # pending until the CLI's first import unblocks it
+  err = p.communicate(timeout=300)[1].decode()
+  assert p.returncode == 129, err
+  assert err.splitlines()[-1] == STARTUP_LINE.format("SIGHUP")
+  st = json.loads(status.read_text())
+  assert (st["state"], st["stopped_by"], st["step"]) == ("stopped", "SIGHUP", 0)
+
+
+def _signal_at_draw(monkeypatch, n: int, sig: int) -> None:
+  """The training loader's n-th draw (1-based) sends `sig` to this process."""
+  real = synthetic.MarkovLoader.next
+  draws = []
+
+  def next_(self):
+    draws.append(1)
+    if len(draws) == n:
+      signal.raise_signal(sig)
+    return real(self)
+
+  monkeypatch.setattr(synthetic.MarkovLoader, "next", next_)
+
+
+def _stop_in_the_loop(monkeypatch, tmp_path, location, at_step=3):
+  """A run of 50 steps that SIGTERM stops while step `at_step` draws its batches (the plain
+  loop draws in this thread, so the signal lands at a known step); its summary."""
+  exp = sexpgpu.compile(TINY, variant="smoke")
+  k = int(exp.knobs["microbatches"].value) if "microbatches" in exp.knobs else 2
+  _signal_at_draw(monkeypatch, k * (at_step - 1) + 1, signal.SIGTERM)
+  return exp.run(steps=50, checkpoint_dir=location, status=str(tmp_path / "s.json"),
+                 pipeline=False, quiet=False)
+
+
+def test_a_stop_inside_the_loop_names_its_signal_step_and_checkpoint(monkeypatch, tmp_path,
+                                                                     capsys):
+  s = _stop_in_the_loop(monkeypatch, tmp_path, str(tmp_path / "ck"))
+  step_dir = str(tmp_path / "ck" / s.slug / "3")
+  assert (s.steps, s.stopped_by, s.exit_code, s.checkpoint) == (3, "SIGTERM", 143, step_dir)
+  st = json.loads((tmp_path / "s.json").read_text())
+  assert (st["state"], st["stopped_by"], st["step"]) == ("stopped", "SIGTERM", 3)
+  assert st["checkpoint"] == {"step": 3, "location": step_dir}
+  err = capsys.readouterr().err.splitlines()
+  assert err[-1] == f"stopped: SIGTERM at step 3/50; checkpoint {step_dir}"
+  assert err[-5].startswith("done: 3 steps, train/loss ")  # the done block, as before
+
+
+def test_a_stop_without_a_location_says_nothing_was_checkpointed(monkeypatch, tmp_path, capsys):
+  s = _stop_in_the_loop(monkeypatch, tmp_path, None, at_step=2)
+  assert (s.steps, s.stopped_by, s.checkpoint) == (2, "SIGTERM", None)
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "stopped: SIGTERM at step 2/50; no checkpoint: no checkpoint location was given")
+
+
+def test_a_stop_on_s3_names_the_remote_step_folder(monkeypatch, tmp_path, capsys, s3_bucket):
+  bucket, fs = s3_bucket
+  s = _stop_in_the_loop(monkeypatch, tmp_path, f"s3://{bucket}/runs", at_step=2)
+  step_dir = f"s3://{bucket}/runs/{s.slug}/2"
+  assert (s.steps, s.stopped_by, s.checkpoint) == (2, "SIGTERM", step_dir)
+  assert fs.exists(f"{bucket}/runs/{s.slug}/2")
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"stopped: SIGTERM at step 2/50; checkpoint {step_dir}")
 
 
 def test_flag_records_the_first_signal():

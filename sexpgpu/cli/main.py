@@ -153,8 +153,74 @@ def cmd_run(argv: list[str]) -> int:
   _signals.FLAG.raising = False  # the run has ended: a late signal does not undo it
   if fv.json:
     import json
-    output.write(sys.stdout, json.dumps(summary.as_dict(), separators=(",", ":")) + "\n")
+    lost = _write_summary(json.dumps(summary.as_dict(), separators=(",", ":")) + "\n")
+    if lost is not None:  # the run's result must not vanish with an exit status of 0
+      output.write(sys.stderr, SxError(
+          "E-METRICS-001", f"the --json summary was lost: {lost}", where="standard output",
+          fix="send standard output to a file or to a reader that reads all of it; the "
+          "summary is also the last event of the --metrics target").render() + "\n")
+      return summary.exit_code or 1
   return summary.exit_code
+
+
+# How long the summary waits at most for a pipe's reader to take it (a reader that has not
+# read it by then may still: only one that leaves with bytes of it unread lost it).
+READER_SECONDS = 5.0
+
+
+def _write_summary(text: str) -> str | None:
+  """Writes the --json summary to standard output; returns how it was lost, or None.
+
+  Lost: standard output is closed, refuses the bytes (a full device, a pipe with no reader),
+  or is a pipe whose reader leaves with part of the line unread (`| head -c 1`).
+  """
+  stream = sys.stdout
+  if stream is None:  # closed when the process started
+    return "standard output is closed"
+  try:
+    fd = stream.fileno()
+  except (AttributeError, ValueError, OSError):  # not a file (a test's capture)
+    return None if output.write(stream, text) else "standard output cannot be written"
+  data = text.encode("utf-8")
+  try:
+    stream.flush()
+    while data:  # straight to the descriptor: nothing stays buffered for the exit to fail on
+      data = data[os.write(fd, data):]
+  except OSError as e:
+    return f"standard output refused it ({e.strerror or e})"
+  return _unread_by_reader(fd, len(text.encode("utf-8")))
+
+
+def _unread_by_reader(fd: int, size: int) -> str | None:
+  """For a pipe: waits until its reader has taken every byte written, and says how many
+  it left unread when it closed its end first (None: all read, or still reading)."""
+  import fcntl
+  import select
+  import stat
+  import struct
+  import termios
+  import time
+  try:
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+      return None
+  except OSError:
+    return None
+
+  def unread() -> int:
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+
+  poll = select.poll()
+  poll.register(fd, 0)  # POLLERR (no reader left) is reported whatever is asked
+  deadline = time.monotonic() + READER_SECONDS
+  try:
+    while unread() > 0 and time.monotonic() < deadline:
+      if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(10)):
+        left = unread()
+        return (f"its reader closed the pipe with {left} of its {size} bytes unread"
+                if left > 0 else None)
+  except OSError:
+    return None
+  return None
 
 
 def cmd_check(argv: list[str]) -> int:
@@ -194,8 +260,8 @@ def _commands() -> dict:
   return out
 
 
-# What start-up knows so far, for a signal that stops it: the status file to mark.
-_STARTUP: dict = {"status": None}
+# What start-up knows so far, for a signal that stops it: the command, the status file to mark.
+_STARTUP: dict = {"status": None, "command": None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   mine = _signals.FLAG.install(raising=False)  # in-process callers: installed here, restored below
   _STARTUP["status"] = _status_path(argv)
+  _STARTUP["command"] = argv[0] if argv else None
   stopped = False
   try:
     _signals.arm()
@@ -274,8 +341,15 @@ def _status_path(argv: list[str]) -> str | None:
 
 
 def _stopped(e: _signals.Stopped) -> int:
-  """A stop signal during start-up: the status file (when there is one) says `stopped`."""
+  """A stop signal during start-up: a line says so, and the status file (when there is
+  one) says `stopped`, by which signal."""
   import json
+  name = _signals.SIGNALS.get(e.signum, str(e.signum))
+  if _STARTUP.get("command") == "run":
+    output.write(sys.stderr, f"stopped: {name} during start-up, before the first step; "
+                 "no checkpoint written\n")
+  else:
+    output.write(sys.stderr, f"stopped: {name}\n")
   path = _STARTUP.get("status")
   if path:
     import time
