@@ -250,3 +250,16 @@ def test_packed_documents_under_fsdp_lower_for_cuda(two_ranks):
   assert _field(f32, "sharding") == "2 custom calls carry a sharding rule"
   assert _field(bf16, "attention", "pass eval").endswith("→ cudnn (segments): segments as "
                                                           "cuDNN's bias")
+
+
+def test_the_gpu_check_reads_the_prediction_with_the_gpu_hidden():
+  """benchmarks/gpu_served.py's prediction is `check --target cuda`'s attention line."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import gpu_served
+  finally:
+    sys.path.pop(0)
+  kernels, text = gpu_served.predicted(GPT2, "smoke", [("precision", "bf16")])
+  assert kernels == ["cudnn"] and text.startswith("target: cuda, 1 rank (replicate), bf16")
+  assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "gpu_check.sh")]
+                        ).returncode == 0
