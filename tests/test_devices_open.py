@@ -151,3 +151,21 @@ def test_autotuning_results_written_before_this_process_are_not_its_own(monkeypa
   with open(path, "w") as f:  # what XLA writes after this process's compilation
     f.write("version: 3\nresults { device: \"sm_90\" }\n")
   assert "sm_90" in devices.autotune_results()["results"]
+
+
+class _Cpu:
+  platform = "cpu"
+  process_index = 0
+  id = 0
+
+
+def test_a_node_whose_cuda_backend_failed_never_trains_on_cpu_devices(monkeypatch):
+  """Over nodes, `jax.devices()` after a failed CUDA backend lists the CPU's devices."""
+  import jax
+
+  class Nodes:
+    nodes = 2
+  monkeypatch.setattr(jax, "devices", lambda kind=None: [_Cpu()])
+  with pytest.raises(SxError) as e:
+    devices.open_devices("cuda", None, Nodes())
+  assert e.value.code == "E-DEV-001" and "JAX offers cpu devices instead" in e.value.message

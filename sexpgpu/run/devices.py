@@ -306,6 +306,14 @@ def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Place
   if nodes_cfg is not None:
     # jax.distributed already limited each process to its SEXPGPU_DEVICES (local_device_ids)
     devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if kind != "cpu" and any(d.platform not in ("gpu", "cuda") for d in devs):
+      # a node whose CUDA backend failed: JAX answers with its CPU devices, never trained on
+      found = ", ".join(sorted({d.platform for d in devs}))
+      raise SxError("E-DEV-001", f"the cuda devices cannot be opened on this node: JAX "
+                    f"offers {found} devices instead", where="--device cuda / SEXPGPU_DEVICE",
+                    fix='pip install "sexpgpu[cuda]" (jax[cuda13]) on every node, with an '
+                    "NVIDIA driver of the 580 series or newer; sexpgpu doctor --device cuda "
+                    "says what is missing")
     counts = {}
     for d in devs:
       counts[d.process_index] = counts.get(d.process_index, 0) + 1
