@@ -19,7 +19,7 @@ from typing import Any, Callable
 from sexpgpu.ir.opdef import OPS, REQUIRED, Attr, OpDef
 from sexpgpu.ir.shapes import infer
 from sexpgpu.lower.flops import FLOPS
-from sexpgpu.models.decode import DECODE, register_pointwise
+from sexpgpu.models.decode_rules import DECODE, register_pointwise
 
 _TYPES = {int: "int", float: "float", bool: "bool", str: "str",
           "int": "int", "float": "float", "bool": "bool", "str": "str"}

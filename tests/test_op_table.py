@@ -5,7 +5,7 @@ import pytest
 from sexpgpu.front import prims
 from sexpgpu.ir.ops import OPS
 from sexpgpu.lower import flops
-from sexpgpu.models import decode
+from sexpgpu.models import decode_rules as decode
 from sexpgpu.tools import langdoc
 from sexpgpu.tools.optable import gaps
 

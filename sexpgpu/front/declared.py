@@ -8,6 +8,7 @@ call's `.sx` place, before the op's reference rule sees it.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 from sexpgpu.errors import SxError
@@ -152,8 +153,44 @@ def read_call(b: Builder, call: Call, op: OpDef) -> tuple[list, dict]:
   return tensors, attrs
 
 
+def _softplus(x: float) -> float:
+  return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
+
+
+# Ops that fold when every operand is a static number, as `+` and `exp` do: (ceil (/ n 3)).
+STATIC = {"floor": math.floor, "ceil": math.ceil, "round": round, "mod": operator.mod,
+          "sign": lambda x: (x > 0) - (x < 0), "erf": math.erf, "log1p": math.log1p,
+          "expm1": math.expm1, "softplus": _softplus,
+          "clip": None}  # clip folds with its keywords, below
+
+
+def _fold(op: OpDef, call: Call):
+  """The static value of a call whose operands are all static numbers, else None."""
+  args = call.args
+  if op.name not in STATIC or not args or call.kw and op.name != "clip" or not all(
+      is_number(v) for v in args):
+    return None
+  try:
+    if op.name == "clip":
+      lo, hi = call.kw.get("min"), call.kw.get("max")
+      if len(args) != 1 or not all(v is None or is_number(v) for v in (lo, hi)):
+        return None
+      x = args[0]
+      return min(max(x, lo) if lo is not None else x, hi) if hi is not None else (
+          max(x, lo) if lo is not None else x)
+    if len(args) != len([i for i in op.inputs if not i.startswith(":")]):
+      return None
+    return STATIC[op.name](*args)
+  except (ValueError, OverflowError, ZeroDivisionError) as e:
+    raise SxError("E-TYPE-001", f"{op.name} of {' '.join(map(str, args))}: {e}",
+                  location=call.loc, fix="check the static values") from None
+
+
 def _declared(op: OpDef):
   def fn(b: Builder, call: Call):
+    folded = _fold(op, call)
+    if folded is not None:
+      return folded
     tensors, attrs = read_call(b, call, op)
     return b.op(op.name, tensors, attrs, call, operand_names=[str(f) for f in call.arg_forms],
                 fix=f"write {op.usage()}")

@@ -178,6 +178,15 @@ STD = {
     "llama": "Llama as transformers' LlamaForCausalLM: tokens [b t] to logits [b t vocab],"
              " rmsnorm, rotary positions (:context, :rope-theta), SwiGLU (:hidden),"
              " grouped-query attention (:kv-heads), untied head",
+    "moe-capacity": "slots an expert's buffer holds: the smallest integer ≥ :factor · :k ·"
+                    " tokens / experts",
+    "moe-route": "router logits [n e] → [dispatch combine balance z-loss]: top-:k gates"
+                 " renormalized, first choices before second ones, at most :capacity a expert",
+    "moe-experts": "SwiGLU experts on their buffers [e c d], parameters stacked [e d :hidden]",
+    "moe": "a mixture of experts → [y balance z-loss]: router, top-:k routing with a capacity"
+           " :factor, dispatch, experts, combine",
+    "moe-block": "a pre-norm transformer block whose MLP is a mixture of experts →"
+                 " [h balance z-loss]",
     "same-doc": "attention scores kept only where query and key share a packed document"
                 " (nil segments: all)",
 }

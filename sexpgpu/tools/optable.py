@@ -3,7 +3,7 @@
 Each interpretation keeps its own table keyed by op name, filled by
 registration: the front end (`front.prims.BUILTINS`, or a note of the form
 that writes the op), FLOPs (`lower.flops.FLOPS`), the decode rule
-(`models.decode.DECODE`) and the reference page (`tools.langdoc`). An entry
+(`models.decode_rules.DECODE`) and the reference page (`tools.langdoc`). An entry
 may be a rule or a reason there is none; a missing one is a gap.
 """
 
@@ -16,9 +16,9 @@ def gaps() -> list[str]:
   from sexpgpu.front.prims import BUILTINS
   from sexpgpu.ir.ops import OPS
   from sexpgpu.lower.flops import FLOPS
-  from sexpgpu.models.decode import DECODE
+  from sexpgpu.models.decode_rules import DECODE
   tables = {"flops (sexpgpu/lower/flops.py)": FLOPS,
-            "decode (sexpgpu/models/decode.py)": DECODE}
+            "decode (sexpgpu/models/decode_rules.py)": DECODE}
   out = []
   for name, op in sorted(OPS.items()):
     if name not in BUILTINS and name not in MADE_BY and op.source is None:
