@@ -251,3 +251,29 @@ def test_no_module_of_sexpgpu_is_over_600_lines():
         if len(source.splitlines()) > 600:
           long[os.path.relpath(path, ROOT)] = len(source.splitlines())
   assert long == {}
+
+
+def test_a_retried_fetch_is_an_annotation_on_the_metrics_stream(monkeypatch, tmp_path):
+  from sexpgpu import retrying
+  real = synthetic.MarkovLoader.next
+  tries = []
+
+  def flaky_next(self):
+    def fetch():
+      tries.append(1)
+      if len(tries) == 1:
+        raise ConnectionResetError("the store hung up")
+      return real(self)
+    return retrying.call("a fetch of shard 0", fetch, timeout_s=30, prefix="data")
+
+  monkeypatch.setattr(synthetic.MarkovLoader, "next", flaky_next)
+  monkeypatch.setattr(retrying, "FIRST_PAUSE_S", 0.0)
+  m = tmp_path / "m.jsonl"
+  sexpgpu.compile(TINY, variant="smoke").run(steps=2, metrics=f"jsonl:{m}", pipeline=False)
+  notes = [(e["name"], e["text"]) for e in map(json.loads, open(m))
+           if e["kind"] == "annotation" and e["name"].startswith("retry")]
+  assert [name for name, _ in notes] == ["retry", "retry-succeeded"]
+  assert notes[0][1] == ("data: a fetch of shard 0 failed (ConnectionResetError: the store hung "
+                         "up); retrying for up to 30s")
+  assert notes[1][1].startswith("data: a fetch of shard 0 succeeded after 2 tries in ")
+  assert retrying._LISTENERS == []  # the run stopped listening when it ended

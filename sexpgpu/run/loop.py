@@ -80,7 +80,6 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
            t_begin: float) -> Summary:
   """Set up, plan, initialize or restore, loop (draw, step, passes, checkpoint), finish."""
   log = (lambda line: None) if o.quiet else output.err
-  steps = progress.steps
 
   # --- set up: devices, checkpoints, metrics, the steps -------------------------------------
   place, rdv, open_s = setup.open_backend(c, o, nodes_cfg, progress)
@@ -88,7 +87,8 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   metrics = setup.open_metrics(c, o, place, node, resume_text, log)
   t_setup = time.perf_counter()
   training = setup.build_training(c, place, nodes_cfg, rdv, resume_dir, progress)
-  with Saver(store, c, training, progress, metrics, rdv) as saver, signals.deferred() as sig:
+  saver = Saver(store, c, training, progress, metrics, rdv)
+  with saver, signals.deferred() as sig, setup.retries_noted(metrics):
     samplers = Samplers(c)  # a defsample's prompts checked before anything is initialized
     # --- plan: every step compiled for abstract values; nothing initialized before it fits
     choice = _plan(c, o, training, resume_dir, store is not None, progress, metrics, log)
@@ -98,7 +98,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
       state, start = saving.resume(c, training, resume_dir, progress, metrics)
     else:  # cold, or warm from :init-from
       state, start = start_state(c, training, progress.stage, log), 0
-    feed = Feed(c, place, training.k, steps, ahead=o.pipeline)
+    feed = Feed(c, place, training.k, progress.steps, ahead=o.pipeline)
     passes = Passes(c, training, samplers, metrics, progress, log,
                     resumed_at=start if resume_dir is not None else None)
     profile = setup.open_profile(c, o)
@@ -110,10 +110,10 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
     # --- the loop -------------------------------------------------------------------------
     step = start
     feed.start(progress.stage, start)
-    passes.run(state, start, start == steps, feed.lock)
+    passes.run(state, start, start == progress.steps, feed.lock)
     progress.set_status("running", step)
     try:
-      while step < steps and not stop.here():
+      while step < progress.steps and not stop.here():
         # The loader is behind: read the last step now, so its time is not the wait's.
         if not feed.ready() and stop.agreed(runner.drain()):
           break
@@ -125,7 +125,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
         step += 1
         stop.agreed(runner.drain())  # host sync: the previous step's numbers, as this one runs
         runner.pending = dispatched
-        at_end = step == steps
+        at_end = step == progress.steps
         due_pass, due_ckpt = passes.due(step, at_end), saver.due(step)
         # What follows needs this step's numbers, or several nodes must agree on a stop now.
         if not o.pipeline or at_end or due_pass or due_ckpt or stop.needs_numbers():

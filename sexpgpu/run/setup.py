@@ -3,9 +3,12 @@ resume, the metrics targets with the configuration line, and the training steps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from typing import Iterator
 
+from sexpgpu import retrying
 from sexpgpu.ckpt import meta as ckpt_meta
 from sexpgpu.errors import SxError
 from sexpgpu.run import output
@@ -128,6 +131,18 @@ def open_metrics(c, o, place, node: int, resume_text: str, log):
                       for n, v in c.selection.knobs.items()},
                versions=ckpt_meta.versions(), resume=resume_text)
   return metrics
+
+
+@contextlib.contextmanager
+def retries_noted(metrics) -> Iterator[None]:
+  """While the block runs, each retry line of a remote operation (a checkpoint's upload, a
+  loader's fetch, from whichever thread) is also an annotation on the metrics stream:
+  `retry`, `retry-succeeded` or `retry-failed`, with the line as its text."""
+  stop = retrying.listen(lambda name, text: metrics.emit("annotation", name=name, text=text))
+  try:
+    yield
+  finally:
+    stop()
 
 
 def evals_field(passes: dict, every_override) -> str:
