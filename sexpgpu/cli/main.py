@@ -352,23 +352,16 @@ def _stopped(e: _signals.Stopped) -> int:
     output.write(sys.stderr, f"stopped: {name}\n")
   path = _STARTUP.get("status")
   if path:
-    import time
-    status = {}
+    from sexpgpu.run.progress import stopped_at_start
+    previous = None
     try:
       with open(path, encoding="utf-8") as f:
-        status = json.load(f)
+        previous = json.load(f)
     except (OSError, ValueError):
       pass
-    if not isinstance(status, dict) or status.get("pid") not in (None, os.getpid()):
-      status = {}  # another process's file: ours replaces it
-    now = time.time()
-    status.update(pid=os.getpid(), state="stopped", stopped_by=_signals.SIGNALS.get(e.signum),
-                  updated_at=now, error=None)
-    status.setdefault("started_at", now)
-    status.setdefault("step", 0)
     try:
       from sexpgpu.paths import write_atomic
-      write_atomic(path, json.dumps(status))
+      write_atomic(path, json.dumps(stopped_at_start(previous, name)))
     except OSError:
       pass
   return e.exit_code

@@ -105,3 +105,21 @@ class Progress:
   def since_first_step(self) -> float:
     """Seconds since the first step began (0 before it): the progress line's last field."""
     return 0.0 if self.t_first_step is None else time.perf_counter() - self.t_first_step
+
+
+def stopped_at_start(previous, stopped_by: str) -> dict:
+  """The status object of a run that a signal stopped during start-up.
+
+  Args:
+    previous: what the status file held (the `compiling` object this process wrote, or
+      anything else, which is replaced).
+    stopped_by: the signal's name.
+  """
+  ours = isinstance(previous, dict) and previous.get("pid") in (None, os.getpid())
+  status = dict(previous) if ours else {}
+  now = time.time()
+  status.update(pid=os.getpid(), state="stopped", stopped_by=stopped_by, updated_at=now,
+                error=None)
+  status.setdefault("started_at", now)
+  status.setdefault("step", 0)
+  return status
