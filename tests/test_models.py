@@ -201,3 +201,33 @@ def test_export_to_a_place_that_cannot_be_written_is_e_form_001(trained, tmp_pat
                "hf", "--tokenizer", str(tmp_path / "none.json")]) == 1
   assert "no tokenizer file" in capsys.readouterr().err
   assert not (tmp_path / "hf").exists()  # refused before anything is written
+
+
+def _bpe(tmp_path, vocab=1024):
+  from sexpgpu.tools.tokenize import train_bpe
+  text = open(os.path.join(ROOT, "tests", "data", "corpus.txt"), encoding="utf-8").read()
+  tok = train_bpe(iter([text] * 4), vocab, "<|endoftext|>")
+  path = str(tmp_path / "tokenizer.json")
+  tok.save(path)
+  return path, tok
+
+
+def test_the_twins_end_of_text_is_the_tokenizers_never_an_ordinary_word(tmp_path):
+  from sexpgpu.models.twin import find, token_ids
+  from sexpgpu.run.compile import compile_source
+  path, tok = _bpe(tmp_path)
+  eos = tok.token_to_id("<|endoftext|>")
+  assert token_ids(path, 1024) == {"bos_token_id": eos, "eos_token_id": eos}
+  assert token_ids(path, eos) == {"bos_token_id": None, "eos_token_id": None}  # out of reach
+  c = compile_source(GPT2_SX.replace("(defknob vocab 40)", "(defknob vocab 1024)"))
+  cfg = find(c.params, c.stages[0].graph, "test").config
+  assert cfg["bos_token_id"] is None and cfg["eos_token_id"] is None  # not 1023, a word
+
+
+def test_token_ids_of_a_file_that_is_no_tokenizer_is_e_tok_002(tmp_path):
+  from sexpgpu.models.twin import token_ids
+  bad = tmp_path / "tokenizer.json"
+  bad.write_text("[1, 2")
+  with pytest.raises(SxError) as e:
+    token_ids(str(bad), 10)
+  assert e.value.code == "E-TOK-002" and str(bad) in e.value.message

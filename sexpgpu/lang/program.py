@@ -266,3 +266,30 @@ def _parse_variant(form: List) -> list[tuple[str, Form, Loc]]:
                        "(defvariant smoke (layers 2) (width 128))")
     out.append((str(item.items[0].value), item.items[1], item.loc))
   return out
+
+
+_STD_NAMES: dict[str, list[str]] | None = None  # name → the std libraries that define it
+
+
+def std_libraries_of(name: str) -> list[str]:
+  """The standard libraries (`std/gpt2`, ...) whose top level defines `name`, sorted.
+
+  For the fix of an unbound name: a name the standard library defines is brought in by a
+  `(require std/LIB)`, which a "did you mean" of a nearby spelling would hide.
+  """
+  global _STD_NAMES  # pylint: disable=global-statement
+  if _STD_NAMES is None:
+    found: dict[str, list[str]] = {}
+    for file in sorted(os.listdir(STD_DIR)):
+      if not file.endswith(".sx"):
+        continue
+      lib = "std/" + file[:-3]
+      path = os.path.join(STD_DIR, file)
+      for form in read_text(read_source(path, lib + ".sx"), lib + ".sx"):
+        head = head_symbol(form)
+        if head in ("def", "defn", "defparam") and len(form.items) > 1:
+          item = form.items[1]
+          if isinstance(item, Atom) and isinstance(item.value, Symbol):
+            found.setdefault(str(item.value), []).append(lib)
+    _STD_NAMES = found
+  return sorted(set(_STD_NAMES.get(name, [])))

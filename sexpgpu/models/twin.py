@@ -67,6 +67,7 @@ GPT2_BLOCK = {
     "mlp/c_proj/w": "mlp.c_proj.weight", "mlp/c_proj/b": "mlp.c_proj.bias",
 }
 GPT2_SCOPE = "h/gpt2-block/"
+GPT2_ENDOFTEXT = 50256  # <|endoftext|> in GPT-2's own 50257-token vocabulary
 
 
 def _gpt2(root: str, params: dict, graph) -> Twin:
@@ -93,7 +94,9 @@ def _gpt2(root: str, params: dict, graph) -> Twin:
   if heads is None and layers:
     raise SxError("E-EXPORT-001", "the gpt2 model's attention heads cannot be read from its "
                   "graph", where=root, fix=FIX)
-  eos = min(50256, vocab - 1)
+  # GPT-2's own vocabulary ends with its <|endoftext|>; any other vocabulary's special
+  # tokens are the tokenizer's to say (token_ids), never a guess at an ordinary word
+  eos = GPT2_ENDOFTEXT if vocab == GPT2_ENDOFTEXT + 1 else None
   config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": vocab, "n_positions": positions, "n_embd": width,
             "n_layer": layers, "n_head": heads, "n_inner": None,
@@ -122,6 +125,46 @@ def _gpt2_config_problems(t: Twin, theirs: dict) -> list[str]:
   if theirs.get("scale_attn_by_inverse_layer_idx") or theirs.get("tie_word_embeddings") is False:
     out.append("config.json scales attention by layer or unties the head; gpt2 does neither")
   return out
+
+
+# --- special tokens -------------------------------------------------------------------------
+
+# The names tokenizers give their document markers, most usual first.
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
+
+
+def token_ids(tokenizer: str, vocab: int) -> dict[str, int | None]:
+  """The twin's `bos_token_id` and `eos_token_id`, read from a tokenizer.json.
+
+  The end-of-text id is the special token the tokenizer names as a document's end
+  (`<|endoftext|>`, `</s>`, ...), or its only special token; the beginning-of-text id is
+  its `<s>`-like token, else the same as the end (as GPT-2 has it). An id that the model's
+  vocabulary does not reach, or none found, is None: `generate()` then stops at its length,
+  never at an ordinary word.
+
+  Args:
+    tokenizer: a tokenizer.json path.
+    vocab: the model's vocabulary size.
+
+  Raises:
+    SxError: E-TOK-002 when the file is not a tokenizer.json.
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  try:
+    with open(tokenizer, encoding="utf-8") as f:
+      added = json.load(f).get("added_tokens") or []
+    special = {str(t["content"]): int(t["id"]) for t in added if t.get("special", True)}
+  except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+    raise SxError("E-TOK-002", f"{tokenizer} is not a tokenizer.json ({type(e).__name__})",
+                  where="--tokenizer", fix="give --tokenizer a tokenizer.json (sexpgpu "
+                  "tokenize writes one)") from e
+  special = {k: v for k, v in special.items() if 0 <= v < vocab}
+  eos = next((special[n] for n in EOS_NAMES if n in special), None)
+  if eos is None and len(special) == 1:
+    eos = next(iter(special.values()))
+  bos = next((special[n] for n in BOS_NAMES if n in special), eos)
+  return {"bos_token_id": bos, "eos_token_id": eos}
 
 
 # --- Llama ----------------------------------------------------------------------------------

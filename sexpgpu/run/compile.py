@@ -17,7 +17,8 @@ from sexpgpu.ir.ops import dtype_name
 from sexpgpu.ir.printer import fingerprint, print_graph
 from sexpgpu.ir.rewrite import rewrite
 from sexpgpu.lang.program import Program, load_program, load_text
-from sexpgpu.lang.select import NOT_IN_FINGERPRINT, Selection, format_value, select
+from sexpgpu.lang.select import (NOT_IN_FINGERPRINT, Selection, format_value, run_slug_stem,
+                                  select)
 from sexpgpu.paths import cache_dir  # noqa: F401  (run/ imports it from here too)
 
 
@@ -92,7 +93,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
   """
   t0 = time.perf_counter()
   program = program or load_program(path)
-  stem = os.environ.get("SEXPGPU_RUN_SLUG") or None
+  stem = run_slug_stem()
   selection = select(program, variant, list(sets), overrides, stem)
   exp = evaluate(program, selection)
   selected = _select_diagnostics(exp, diagnostics)
@@ -106,6 +107,8 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
     loaders[name] = ld
     fields[name] = {f: (dtype_name(dt), tuple(sh)) for f, (sh, dt) in ld.fields.items()}
   stages = _stages(program, selection, exp, fields, taps)
+  for st in stages:
+    check_vocabulary(st.graph, st.data, loaders[st.data], exp.loaders[st.data].location)
   patterns = os.environ.get("SEXPGPU_PATTERNS", "on") != "off"
   regions: list = []
   for st in stages:
@@ -120,6 +123,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
     for mname, fn in p.metrics:
       g, out = builder.build(f"{pname}/{mname}", fn, fields[p.data], allow_new_params=False)
       _check_scalar(out, f"metric {mname} of pass {pname}", p.loc, builder)
+      check_vocabulary(g, p.data, loaders[p.data], exp.loaders[p.data].location)
       graphs[mname] = rewrite(g, patterns)[0]
     passes[pname] = graphs
   params = dict(stages[0].graph.params)
@@ -154,6 +158,62 @@ def _select_diagnostics(exp: Experiment, diagnostics: str | None) -> list[str]:
                         "defined: " + ", ".join(exp.diagnostics) if exp.diagnostics
                         else "this experiment defines no diagnostic"))
   return names
+
+
+# Ops that move or reshape a batch's token ids without changing them.
+_SAME_IDS = ("slice", "reshape", "transpose", "cast")
+# op → (the input holding token ids, the input whose size bounds them, the axis of that size)
+_ID_USES = {"take": (1, 0, 0), "cross-entropy": (1, 0, -1),
+            "chunked-cross-entropy": (2, 1, -1)}
+
+
+def check_vocabulary(graph: Graph, data: str, loader: Any, where: Any = None) -> None:
+  """Refuses a model smaller than the vocabulary of the loader that feeds it, at compile time.
+
+  Where a loader states its vocabulary (markov's `:vocab`, a token file's `:vocab`, a text
+  cache's tokenizer) and its token ids reach an embedding (`take`) or a cross-entropy's
+  targets unchanged, the table's rows and the logits' width must hold every id: a token
+  past them would make the loss NaN at the first step, not an error that says why.
+
+  Args:
+    graph: a loss or metric graph built on the loader's fields.
+    data: the loader's name (for the message).
+    loader: the opened loader; its `vocab` attribute, when an int, bounds its ids.
+    where: the loader's `.sx` place, named in a note.
+
+  Raises:
+    SxError: E-LOAD-003 at the op's `.sx` place, naming both sizes.
+  """
+  vocab = getattr(loader, "vocab", None)
+  if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
+    return
+  for node in graph.nodes():
+    use = _ID_USES.get(node.op)
+    if use is None or len(node.inputs) <= max(use[:2]):
+      continue
+    ids, bound, axis = node.inputs[use[0]], node.inputs[use[1]], use[2]
+    field = _field_of(ids)
+    size = getattr(bound, "shape", ())
+    if field is None or not size or size[axis] >= vocab:
+      continue
+    what = (f"its embedding table has {size[axis]} rows" if node.op == "take"
+            else f"its logits have {size[axis]} classes")
+    raise SxError("E-LOAD-003", f"loader `{data}` gives `{field}` ids up to {vocab - 1} "
+                  f"(a vocabulary of {vocab}), but the model's {node.op} takes fewer: {what}",
+                  location=node.loc, notes=[("loader", str(where))] if where else (),
+                  fix=f"give the model a vocabulary of {vocab} (the loader's), or the loader "
+                  f"a :vocab of {size[axis]}")
+
+
+def _field_of(node: Any) -> str | None:
+  """The batch field whose ids `node` holds unchanged, or None."""
+  while getattr(node, "op", None) in _SAME_IDS:
+    if node.op == "cast" and not node.dtype.startswith(("i", "u")):
+      return None
+    node = node.inputs[0]
+  if getattr(node, "op", None) == "input":
+    return node.attr("field")
+  return None
 
 
 def _check_scalar(out: Any, what: str, loc, builder) -> None:

@@ -62,6 +62,19 @@ def _loader_files(loaders) -> list[tuple[str, str, str]]:
   return out
 
 
+def _data_files(path: str) -> list[str]:
+  """A loader's local data as files: the file itself, or every file under a folder (a text
+  loader's token cache: its manifest, tokenizer and shards), sorted."""
+  if not os.path.isdir(path):
+    return [path]
+  found = []
+  for root, dirs, names in os.walk(path):
+    dirs.sort()
+    found.extend(os.path.join(root, n) for n in sorted(names)
+                 if os.path.isfile(os.path.join(root, n)))
+  return found
+
+
 def make_bundle(path: str, out: str, variant: str | None = None,
                 sets: list[tuple[str, str]] = (), with_data: bool = False) -> dict:
   """Compiles the selection (to check it and take its fingerprint) and writes the archive.
@@ -98,7 +111,7 @@ def make_bundle(path: str, out: str, variant: str | None = None,
       left_out.append(p)
       notes.append(f"loader {name}: {p} is an absolute path, not bundled; the run reads it there")
     elif with_data:
-      data.append(os.path.abspath(os.path.join(base, p)))
+      data.extend(_data_files(os.path.abspath(os.path.join(base, p))))
     else:
       left_out.append(p)
       notes.append(f"loader {name}: {p} not bundled (add --with-data)")
