@@ -1,0 +1,55 @@
+"""Random draws in the graph under a real run: a run stopped by SIGTERM at a random step and
+resumed is bitwise equal to the one not stopped (tests/test_model_families.py runs it twice)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+from conftest import ROOT, sexpgpu_cmd
+
+EXP = os.path.join(ROOT, "configs", "mlm.sx")
+ARGS = ("--variant", "smoke", "--steps", "12", "--set", "batch-size=8", "--set", "seq=16",
+        "--set", "width=16", "--eval-every", "6", "--json")
+
+
+def _run(tmp, *extra):
+  return subprocess.Popen(
+      sexpgpu_cmd("run", EXP, *ARGS, "--checkpoint-dir", str(tmp / "ck"), "--metrics",
+                  f"jsonl:{tmp / 'm.jsonl'}", *extra),
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _losses(tmp):
+  events = [json.loads(line) for line in open(tmp / "m.jsonl")]
+  return {e["step"]: e["train/loss"] for e in events if e["kind"] == "step"}
+
+
+def test_a_masked_lm_stopped_at_a_random_step_resumes_bitwise(tmp_path):
+  runs = []
+  (tmp_path / "a").mkdir()
+  p = _run(tmp_path / "a")
+  out, err = p.communicate(timeout=600)
+  assert p.returncode == 0, err
+  runs.append(json.loads(out))
+  k = random.Random(os.getpid()).randint(3, 9)
+  stopped = tmp_path / "stopped"
+  stopped.mkdir()
+  p = _run(stopped)
+  deadline = time.time() + 300
+  while time.time() < deadline and p.poll() is None:
+    metrics = stopped / "m.jsonl"
+    if metrics.exists() and any(s >= k for s in _losses(stopped)):
+      break
+    time.sleep(0.005)
+  p.send_signal(signal.SIGTERM)
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 143, err
+  r = _run(stopped, "--resume", "latest")
+  out, err = r.communicate(timeout=600)
+  assert r.returncode == 0, err
+  resumed = json.loads(out)
+  assert resumed["train_loss"] == runs[0]["train_loss"] and resumed["eval"] == runs[0]["eval"]
+  assert _losses(stopped) == _losses(tmp_path / "a")
