@@ -5,20 +5,143 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
+import tempfile
+import threading
 from typing import Iterator, Mapping
 
 from fsspec.core import split_protocol
 
+from sexpgpu.errors import SxError
+
 # The object stores we read and write, each with the fsspec package that serves it.
 REMOTE_PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 _COUNTER = itertools.count()  # temporary names unique within the process, across threads
+# Credentials in text: a URI's `user:secret@`, signed-URL keys, and the environment's secrets.
+_URL_USER = re.compile(r"(//)([^/@\s]+)@")
+_SIGNED = re.compile(r"(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s]+", re.I)
+_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
+                "GOOGLE_APPLICATION_CREDENTIALS")
+_SEEN_SECRETS: set[str] = set()  # every URI credential scrub has met in this process
+_SEEN_LOCK = threading.Lock()
 
 
-def cache_dir(environ: Mapping[str, str] | None = None) -> str:
-  """`SEXPGPU_CACHE_DIR`, or `~/.cache/sexpgpu`: choices, the XLA cache, fetched data, bundles."""
+def cache_dir(environ: Mapping[str, str] | None = None, check: bool | None = None) -> str:
+  """`SEXPGPU_CACHE_DIR`, or `~/.cache/sexpgpu`: choices, the XLA cache, fetched data, bundles.
+
+  Args:
+    environ: the environment to read; os.environ when None.
+    check: whether to make sure it is a local folder this process can write (made if
+      missing; see `usable_cache_dir`). By default, only for the process's own environment.
+
+  Raises:
+    SxError: E-ENV-001 naming SEXPGPU_CACHE_DIR, when checked and it cannot be the cache.
+  """
+  if check is None:
+    check = environ is None
   environ = os.environ if environ is None else environ
-  return environ.get("SEXPGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                           "sexpgpu")
+  folder = environ.get("SEXPGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "sexpgpu")
+  return usable_cache_dir(folder) if check else folder
+
+
+_USABLE: set[str] = set()  # cache folders already made and written to by this process
+_CACHE_FIX = ("point SEXPGPU_CACHE_DIR at a local folder you can write (it is made if "
+              "missing), or unset it for ~/.cache/sexpgpu")
+
+
+def cache_problem(folder: str) -> str | None:
+  """Why `folder` cannot be the cache folder, found without touching the disk, or None.
+
+  A remote location, a NUL, a name that is not UTF-8, a file, or a path under a file
+  cannot be; a missing folder can (it is made on first use).
+  """
+  if "://" in folder or is_remote(folder):
+    return ("is a remote location; the cache (compiled code, fetched data) is a local "
+            "folder")
+  if "\0" in folder:
+    return "cannot be the cache folder: a NUL in the name"
+  try:
+    folder.encode("utf-8")  # XLA's cache and the libraries below take UTF-8 names only
+  except UnicodeError:
+    return "cannot be the cache folder: its name is not UTF-8"
+  path = os.path.abspath(os.path.expanduser(folder))
+  while not os.path.lexists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path):
+    under = ("" if path == os.path.abspath(os.path.expanduser(folder))
+             else f" ({path} is a file)")
+    return f"cannot be the cache folder: Not a directory{under}"
+  return None
+
+
+def _shown_location(folder: str) -> str:
+  shown = scrub(folder)
+  return ascii(shown)[1:-1] if len(shown) <= 120 else ascii(shown[:120])[1:-1] + "..."
+
+
+def check_cache_value(folder: str | None) -> None:
+  """SEXPGPU_CACHE_DIR checked as the variable checks do: nothing is made or written.
+
+  Raises:
+    SxError: E-ENV-001 naming SEXPGPU_CACHE_DIR, for what `cache_problem` finds.
+  """
+  why = cache_problem(folder) if folder else None
+  if why is not None:
+    raise SxError("E-ENV-001", f"SEXPGPU_CACHE_DIR={_shown_location(folder)} {why}",
+                  where="SEXPGPU_CACHE_DIR", fix=_CACHE_FIX)
+
+
+def usable_cache_dir(folder: str) -> str:
+  """`folder`, once it is known to be a local folder this process can write in.
+
+  It is made if missing, and a probe file is written to it and removed (a folder such as
+  /proc/self exists but takes no file, even for root), once per process and folder.
+
+  Raises:
+    SxError: E-ENV-001 naming SEXPGPU_CACHE_DIR and why: a remote location, a NUL, a name
+      that is not UTF-8, or a path that is a file, lies under a file, or cannot be made
+      or written.
+  """
+  if folder in _USABLE:
+    return folder
+  check_cache_value(folder)
+  try:
+    os.makedirs(folder, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".sexpgpu-probe-")
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:
+    why = e.strerror or str(e) or type(e).__name__
+    raise SxError("E-ENV-001", f"SEXPGPU_CACHE_DIR={_shown_location(folder)} cannot be the "
+                  f"cache folder: {why}", where="SEXPGPU_CACHE_DIR", fix=_CACHE_FIX) from None
+  _USABLE.add(folder)
+  return folder
+
+
+def scrub(text: str) -> str:
+  """`text` without credentials: the one place secrets are masked in what a user sees.
+
+  A URI's `user:secret@` becomes `***@`; signed-URL keys and the values of the AWS and
+  Google credential variables become `***`. A URI credential, once seen, is remembered for
+  the process, so a library's own error that repeats it elsewhere (an S3 client naming
+  the bucket `KEY:SECRET@bucket`) is masked too.
+  """
+  text = str(text)
+  found = [m.group(2) for m in _URL_USER.finditer(text)]
+  if found:
+    with _SEEN_LOCK:
+      for info in found:
+        _SEEN_SECRETS.add(info)
+        _SEEN_SECRETS.update(p for p in info.split(":") if len(p) >= 4)
+  text = _URL_USER.sub(r"\1***@", text)
+  text = _SIGNED.sub(r"\1***", text)
+  with _SEEN_LOCK:
+    seen = sorted(_SEEN_SECRETS, key=len, reverse=True)
+  for secret in seen + [os.environ.get(v, "") for v in _SECRET_VARS]:
+    if len(secret) >= 4:
+      text = text.replace(secret, "***")
+  return text
 
 
 def scheme(location: str) -> str | None:

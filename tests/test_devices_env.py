@@ -110,7 +110,8 @@ def test_a_switch_is_0_or_1_never_ignored(name):
 def test_every_parsed_variable_is_checked_by_run():
   bad = {name: {"SEXPGPU_MEMORY": "lots", "SEXPGPU_RENDEZVOUS_TIMEOUT": "soon",
                 "SEXPGPU_METRICS": "foo:bar", "SEXPGPU_STACKING": "0",
-                "SEXPGPU_DEVICE": "tpu"}.get(name, "maybe") for name in env.VARIABLES}
+                "SEXPGPU_DEVICE": "tpu", "SEXPGPU_CACHE_DIR": "s3://bucket/cache"}.get(name, "maybe")
+         for name in env.VARIABLES}
   for name, value in bad.items():
     found = env.variable_errors({name: value})
     assert [n for n, _ in found] == [name], (name, found)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sexpgpu.data import files, mix, synthetic, text
 from sexpgpu.data.base import Context, Loader
-from sexpgpu.data.spec import LoaderSpec, bind_args
+from sexpgpu.data.spec import LoaderSpec, bind_args, check_fields
 from sexpgpu.errors import SxError, did_you_mean
 
 __all__ = ["KINDS", "Loader", "LoaderSpec", "keywords", "make_loader", "takes_file"]
@@ -70,4 +70,6 @@ def make_loader(spec: LoaderSpec, seed: int = 0, cache_dir: str | None = None,
   cls = KINDS[spec.kind]
   ctx = Context(seed=seed, cache_dir=cache_dir, shuffle_default=shuffle_default,
                 make=lambda sub: make_loader(sub, seed, cache_dir, shuffle_default))
-  return cls(spec, bind_args(spec, cls.arg_table), ctx)
+  loader = cls(spec, bind_args(spec, cls.arg_table), ctx)
+  check_fields(spec, loader.fields)
+  return loader

@@ -94,27 +94,60 @@ def form_error(spec: LoaderSpec, message: str, fix: str) -> SxError:
                  location=spec.location, fix=fix)
 
 
+# Sizes and counts reach the step as int32: no loader size, nor a microbatch's element
+# count, may reach this (XLA aborts the process on some larger extents).
+SIZE_LIMIT = 2**31
+SEED_LIMIT = 2**63
+
+
 def positive_int(spec: LoaderSpec, args: Mapping[str, Any], key: str,
-                 minimum: int = 1) -> int:
-  """Reads an integer argument that must be at least `minimum`.
+                 minimum: int = 1, maximum: int = SIZE_LIMIT - 1) -> int:
+  """Reads an integer argument that must lie in minimum..maximum: every loader size is
+  bounded here, before anything is built from it.
 
   Args:
     spec: the loader's declaration, for the error.
     args: its bound arguments.
     key: the keyword.
     minimum: the least value allowed.
+    maximum: the largest value allowed (a size that fits int32 unless told otherwise).
 
   Returns:
     The value.
 
   Raises:
-    SxError: E-FORM-001 when the value is no integer or is too small.
+    SxError: E-FORM-001 when the value is no integer, too small or too large.
   """
   value = args[key]
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise form_error(spec, f"`:{key}` is {value!r}, expected an integer >= {minimum}",
+    raise form_error(spec, f"`:{key}` is {_shown(value)}, expected an integer >= {minimum}",
                      f"write :{key} with an integer of at least {minimum}")
+  if value > maximum:
+    raise form_error(spec, f"`:{key}` is {value}, more than the {maximum} it may be",
+                     f"write :{key} with an integer from {minimum} to {maximum}")
   return value
+
+
+def check_fields(spec: LoaderSpec, fields: Mapping[str, Any]) -> None:
+  """Refuses a loader whose microbatch holds a field of SIZE_LIMIT elements or more.
+
+  Raises:
+    SxError: E-FORM-001 naming the field and its shape.
+  """
+  for name, (shape, _) in fields.items():
+    count = 1
+    for d in shape:
+      count *= int(d)
+    if count >= SIZE_LIMIT:
+      raise form_error(spec, f"field `{name}` of a microbatch has shape "
+                       f"[{' '.join(str(d) for d in shape)}], {count} elements: more than the "
+                       f"{SIZE_LIMIT - 1} a step can index",
+                       "lower :batch or :seq so that batch × seq stays below 2^31")
+
+
+def _shown(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:60] + "..."
 
 
 def fraction_range(spec: LoaderSpec, value: Any) -> tuple[float, float]:

@@ -7,10 +7,15 @@ from typing import Any
 import numpy as np
 
 from sexpgpu.data import base
-from sexpgpu.data.spec import ArgTable, LoaderSpec, form_error, positive_int
+from sexpgpu.data.spec import SEED_LIMIT, ArgTable, LoaderSpec, form_error, positive_int
 
 _I32 = np.dtype(np.int32)
 _BOOL = np.dtype(np.bool_)
+
+# The most states a markov chain may have: its transition table is built when the file
+# compiles (131072 states, a Llama 3 vocabulary, take about 8 s), so a larger :vocab is
+# refused before anything is built.
+MARKOV_STATES = 2**17
 
 
 class MarkovLoader(base.Loader):
@@ -32,10 +37,11 @@ class MarkovLoader(base.Loader):
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
     self.spec = spec
-    self.vocab = positive_int(spec, args, "vocab")
+    # the chain's table is built here, state by state: at most MARKOV_STATES of them
+    self.vocab = positive_int(spec, args, "vocab", maximum=MARKOV_STATES)
     self.seq = positive_int(spec, args, "seq")
     self.batch_size = positive_int(spec, args, "batch")
-    self.chain_seed = positive_int(spec, args, "seed", minimum=0)
+    self.chain_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
     self.branching = positive_int(spec, args, "branching")
     self.stream = positive_int(spec, args, "stream", minimum=0)
     if self.branching > self.vocab:
@@ -139,7 +145,7 @@ class TaskLoader(base.Loader):
     self.spec = spec
     self.kind = spec.kind
     self.batch_size = positive_int(spec, args, "batch")
-    self.task_seed = positive_int(spec, args, "seed", minimum=0)
+    self.task_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
     self.stream = positive_int(spec, args, "stream", minimum=0)
     self.seed = ctx.seed
     self._setup(spec, args)

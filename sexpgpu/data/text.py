@@ -10,8 +10,8 @@ import numpy as np
 
 from sexpgpu.data import base, remote, textcache
 from sexpgpu.data.files import RecordOrder
-from sexpgpu.data.spec import (ArgTable, LoaderSpec, form_error, fraction_range, load_error,
-                               positive_int)
+from sexpgpu.data.spec import (SEED_LIMIT, ArgTable, LoaderSpec, form_error, fraction_range,
+                               load_error, positive_int)
 
 # Keeps the text loader's shuffle apart from the other loaders' streams (base.TAG_*).
 TAG_TEXT = 6
@@ -77,7 +77,7 @@ class TextLoader(base.Loader):
       raise form_error(spec, f"`:shuffle` is {shuffle!r}, expected true or false",
                        "write :shuffle true or :shuffle false")
     stream = positive_int(spec, args, "stream", minimum=0)
-    own_seed = positive_int(spec, args, "seed", minimum=0)
+    own_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
     self.manifest, files = _open_cache(spec, self.uri, ctx.cache_dir)
     self.eos = int(self.manifest["tokenizer"]["eos_id"])
     self.vocab = int(self.manifest["tokenizer"]["vocab"])

@@ -13,6 +13,8 @@ import re
 from typing import Any, Callable, Mapping
 
 from sexpgpu.errors import SxError
+from sexpgpu.paths import check_cache_value
+from sexpgpu.reader.read import parse_int, shown
 
 FIX_DEVICES = "list visible ordinals once each, SEXPGPU_DEVICES=0,1"
 FIX_NODES = "set all three on every node, with SEXPGPU_DEVICE=cuda"
@@ -52,6 +54,17 @@ class NodeConfig:
     return f"{self.host}:{self.port}"
 
 
+# The largest count or ordinal a variable may give: what an int32 holds.
+COUNT_LIMIT = 2**31
+
+
+def _count(text: str | None) -> int | None:
+  """A non-negative integer written in plain digits, below COUNT_LIMIT, or None."""
+  if text is None or not text.isdigit():
+    return None
+  return parse_int(text, COUNT_LIMIT)
+
+
 def _val(env: Mapping[str, str], name: str) -> str | None:
   v = env.get(name)
   return None if v is None or v.strip() == "" else v.strip()
@@ -76,11 +89,12 @@ def parse_device_list(value: str | None) -> list[int] | None:
   out: list[int] = []
   for part in value.split(","):
     p = part.strip()
-    if not p.isdigit():
-      raise _dp001(f"SEXPGPU_DEVICES={value} does not parse: `{p}` is not a device ordinal")
-    n = int(p)
+    n = _count(p)
+    if n is None:
+      raise _dp001(f"SEXPGPU_DEVICES={shown(value)} does not parse: `{shown(p)}` is not a "
+                   "device ordinal")
     if n in out:
-      raise _dp001(f"SEXPGPU_DEVICES={value} repeats ordinal {n}")
+      raise _dp001(f"SEXPGPU_DEVICES={shown(value)} repeats ordinal {n}")
     out.append(n)
   return out
 
@@ -106,7 +120,8 @@ def cpu_visible(env: Mapping[str, str] | None = None) -> int:
   """The XLA host devices a CPU run may make: XLA_FLAGS' forced count, else the CPU count."""
   env = os.environ if env is None else env
   forced = _FORCED.search(env.get("XLA_FLAGS", ""))
-  return int(forced.group(1)) if forced else (os.cpu_count() or 1)
+  count = _count(forced.group(1)) if forced else None
+  return count if count is not None else (os.cpu_count() or 1)
 
 
 def parse_devices(value: str | None, visible: int, kind: str = "cuda") -> list[int]:
@@ -152,20 +167,22 @@ def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
   if grads not in ("bf16", "f32"):
     raise _dp005(f"SEXPGPU_NODE_GRADIENTS={grads} is not f32 or bf16", "SEXPGPU_NODE_GRADIENTS")
   raw = _val(env, "SEXPGPU_NODES")
-  if raw is not None and (not raw.isdigit() or int(raw) < 1):
-    raise _dp005(f"SEXPGPU_NODES={raw} is not a count of nodes", "SEXPGPU_NODES")
-  nodes = 1 if raw is None else int(raw)
+  if raw is not None and (_count(raw) or 0) < 1:
+    raise _dp005(f"SEXPGPU_NODES={shown(raw)} is not a count of nodes (1 to "
+                 f"{COUNT_LIMIT - 1})", "SEXPGPU_NODES")
+  nodes = 1 if raw is None else _count(raw)
   rank_s = _val(env, "SEXPGPU_NODE_RANK")
-  if (rank_s is None and nodes > 1) or (rank_s is not None and (
-      not rank_s.isdigit() or int(rank_s) >= nodes)):
-    raise _dp005(f"SEXPGPU_NODE_RANK={rank_s or '(unset)'} is not in 0..{nodes - 1} "
+  rank = _count(rank_s)
+  if (rank_s is None and nodes > 1) or (rank_s is not None and (rank is None or rank >= nodes)):
+    raise _dp005(f"SEXPGPU_NODE_RANK={shown(rank_s or '(unset)')} is not in 0..{nodes - 1} "
                  f"(SEXPGPU_NODES={raw or '(unset)'})", "SEXPGPU_NODE_RANK")
   if nodes == 1:
     return None
   rdv = _val(env, "SEXPGPU_RENDEZVOUS")
   m = _HOSTPORT.match(rdv or "")
-  if m is None or not 0 < int(m.group(2)) < 65536:
-    raise _dp005(f"SEXPGPU_RENDEZVOUS={rdv or '(unset)'} is not host:port", "SEXPGPU_RENDEZVOUS")
+  if m is None or not 0 < (_count(m.group(2)) or 0) < 65536:
+    raise _dp005(f"SEXPGPU_RENDEZVOUS={shown(rdv or '(unset)')} is not host:port",
+                 "SEXPGPU_RENDEZVOUS")
   collectives = "nccl"
   if device != "cuda":
     cc = _val(env, "SEXPGPU_CPU_COLLECTIVES")
@@ -175,8 +192,7 @@ def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
                        "rehearsal", "on cpu, SEXPGPU_CPU_COLLECTIVES=gloo rehearses it over "
                        "loopback")
     collectives = "gloo"
-  return NodeConfig(nodes, int(rank_s), m.group(1).strip("[]"), int(m.group(2)), grads,
-                    collectives)
+  return NodeConfig(nodes, rank, m.group(1).strip("[]"), int(m.group(2)), grads, collectives)
 
 
 def parse_memory(value: str) -> int:
@@ -190,11 +206,13 @@ def parse_memory(value: str) -> int:
   """
   m = _MEMORY.match(value or "")
   unit = m.group(2).lower() if m else None
-  if m is None or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
-    raise SxError("E-ENV-001", f"SEXPGPU_MEMORY={value} is not an amount of memory",
+  size = float(m.group(1)) * _UNITS[unit] if m and unit in _UNITS else 0.0
+  if not 1 <= size < 2**63:  # a literal past float's range reads as inf, refused here
+    raise SxError("E-ENV-001", f"SEXPGPU_MEMORY={shown(value or '')} is not an amount of memory "
+                  "(1 byte to 8 EiB)",
                   where="SEXPGPU_MEMORY", fix="SEXPGPU_MEMORY=40GiB (B, KiB, MiB, GiB, TiB, "
                   "or KB, MB, GB, TB)")
-  return int(float(m.group(1)) * _UNITS[unit])
+  return int(size)
 
 
 def rendezvous_timeout(env: Mapping[str, str] | None = None) -> float:
@@ -247,11 +265,12 @@ def parse_stacking(value: str | None) -> int | None:
   """
   if value is None or value.strip() in ("", "auto"):
     return None
-  v = value.strip()
-  if not v.isdigit() or int(v) < 1:
-    raise SxError("E-ENV-001", f"SEXPGPU_STACKING={value} is not `auto` or a positive integer",
-                  where="SEXPGPU_STACKING", fix="SEXPGPU_STACKING=auto or SEXPGPU_STACKING=2")
-  return int(v)
+  degree = _count(value.strip())
+  if degree is None or degree < 1:
+    raise SxError("E-ENV-001", f"SEXPGPU_STACKING={shown(value)} is not `auto` or a positive "
+                  f"integer below {COUNT_LIMIT}", where="SEXPGPU_STACKING",
+                  fix="SEXPGPU_STACKING=auto or SEXPGPU_STACKING=2")
+  return degree
 
 
 def parse_switch(name: str, value: str | None) -> bool:
@@ -312,13 +331,12 @@ def parse_step_range(value: str | None, where: str = "SEXPGPU_PROFILE") -> tuple
   if value is None or value == "":
     return None
   a, dots, b = value.strip().partition("..")
-  try:
-    lo = int(a)
-    hi = int(b) if dots else lo
-  except ValueError:
+  lo = parse_int(a.strip(), COUNT_LIMIT)
+  hi = parse_int(b.strip(), COUNT_LIMIT) if dots else lo
+  if lo is None or hi is None:
     lo = hi = -1
   if lo < 1 or hi < lo:
-    raise SxError("E-ENV-001", f"{where} {value!r} is not a step range A..B with 1 ≤ A ≤ B",
+    raise SxError("E-ENV-001", f"{where} {shown(value)!r} is not a step range A..B with 1 ≤ A ≤ B",
                   where=where, fix=f"{where}{'=' if where.startswith('SEXPGPU_') else ' '}"
                   "5..10 records steps 5 to 10")
   return lo, hi
@@ -340,6 +358,7 @@ VARIABLES: dict[str, Callable[[str | None], Any]] = {
         {} if v is None else {"SEXPGPU_REMOTE_TIMEOUT": v}),
     "SEXPGPU_METRICS": parse_metrics,
     "SEXPGPU_PROFILE": parse_step_range,
+    "SEXPGPU_CACHE_DIR": check_cache_value,
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.lang.program import KnobDecl, Program, literal_value, split_keywords
 from sexpgpu.reader import Atom, Keyword, Symbol
-from sexpgpu.reader.read import INT_LIMIT
+from sexpgpu.reader.read import INT_LIMIT, is_int_literal, parse_int, shown
 
 # The run's own settings: knobs that always exist, with these defaults unless
 # defrun writes a literal. None means required.
@@ -85,13 +85,13 @@ def parse_as(text: str, like: Any, name: str, where: str) -> Any:
       return text == "true"
     raise bad()
   if isinstance(like, int):
-    try:
-      value = int(text.replace("_", ""))
-    except ValueError:
-      raise bad() from None
-    if not -INT_LIMIT <= value < INT_LIMIT:
-      raise SxError("E-KNOB-002", f"`{text}` does not fit in a 64-bit integer (knob {name})",
-                    where=where, fix=f"give {name} a value below {INT_LIMIT} in size")
+    if not is_int_literal(text.strip()):
+      raise bad()
+    value = parse_int(text.strip())
+    if value is None:
+      raise SxError("E-KNOB-002", f"`{shown(text)}` does not fit in a 64-bit integer (knob "
+                    f"{name})", where=shown(where, 80),
+                    fix=f"give {name} a value below {INT_LIMIT} in size")
     return value
   if isinstance(like, float):
     try:

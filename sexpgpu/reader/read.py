@@ -247,12 +247,38 @@ def _read_token(cur: _Cursor) -> Form:
   loc = cur.loc(start)
   value = _parse_token(tok)
   if value is _BAD:
-    raise SxError("E-READ-003", f"`{tok}` is no number, symbol or keyword",
+    raise SxError("E-READ-003", f"`{shown(tok)}` is no number, symbol or keyword",
                   location=loc, fix=_token_fix(tok))
   return Atom(loc, value)
 
 
 _BAD = object()
+
+
+def parse_int(text: str, limit: int = INT_LIMIT) -> int | None:
+  """The integer a decimal literal writes (a sign, digits, `_` between them), or None when
+  `text` is no such literal or its size reaches `limit`: the one place integers are read.
+
+  The digits are counted before anything converts them, so a literal of any length (past
+  Python's 4,300-digit limit on int()) is answered at once, never with a ValueError.
+  """
+  if not isinstance(text, str) or not _INT.match(text):
+    return None
+  digits = text.lstrip("+-").replace("_", "").lstrip("0")
+  if len(digits) > len(str(limit)):
+    return None
+  value = int(digits or "0") * (-1 if text.startswith("-") else 1)
+  return value if -limit <= value < limit else None
+
+
+def is_int_literal(text: str) -> bool:
+  """Whether `text` is written as a decimal integer (whatever its size)."""
+  return isinstance(text, str) and bool(_INT.match(text))
+
+
+def shown(tok: str, most: int = 40) -> str:
+  """A token as an error quotes it: cut to `most` characters, with its length when cut."""
+  return tok if len(tok) <= most else f"{tok[:most]}... ({len(tok)} characters)"
 
 
 def _parse_token(tok: str):
@@ -263,8 +289,8 @@ def _parse_token(tok: str):
   if tok == "nil":
     return None
   if _INT.match(tok):
-    value = int(tok.replace("_", ""))
-    return value if -INT_LIMIT <= value < INT_LIMIT else _BAD
+    value = parse_int(tok)
+    return _BAD if value is None else value
   if (tok[0].isdigit() or (tok[0] in "+-." and len(tok) > 1 and (tok[1].isdigit() or tok[1] == "."))) \
       and _FLOAT.match(tok) and any(ch.isdigit() for ch in tok):
     try:
