@@ -116,3 +116,36 @@ def call(what: str, fn: Callable[..., Any], *args, timeout_s: float | None = Non
       _say("retry-succeeded", f"{prefix}: {what} succeeded after {tries} tries in "
                               f"{time.monotonic() - first:.1f}s")
     return out
+
+
+def bounded(what: str, fn: Callable[..., Any], *args, seconds: float | None = None,
+            **kwargs) -> Any:
+  """fn(*args, **kwargs), given up after `seconds` (default SEXPGPU_REMOTE_TIMEOUT).
+
+  For a remote look-up (a listing, a marker's existence, a small file) whose library
+  retries on its own: gcsfs tries a request six times with doubling pauses, so without a
+  network one look-up would take about a minute whatever the run's deadline. Data
+  transfers are not bounded so: a large upload may rightly take longer.
+
+  Raises:
+    TimeoutError: naming `what` and the seconds, when fn has not returned by then (it is
+      left to finish in a daemon thread, whose result is dropped).
+    Whatever fn raises.
+  """
+  limit = deadline_s() if seconds is None else seconds
+  box: dict[str, Any] = {}
+
+  def work() -> None:
+    try:
+      box["value"] = fn(*args, **kwargs)
+    except BaseException as e:  # pylint: disable=broad-except  # raised in the caller
+      box["error"] = e
+
+  worker = threading.Thread(target=work, name="sexpgpu-remote-lookup", daemon=True)
+  worker.start()
+  worker.join(limit)
+  if worker.is_alive():
+    raise TimeoutError(f"{what} had no answer within {limit:g} s (SEXPGPU_REMOTE_TIMEOUT)")
+  if "error" in box:
+    raise box["error"]
+  return box.get("value")

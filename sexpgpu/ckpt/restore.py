@@ -17,6 +17,7 @@ from sexpgpu.ckpt import manifest, orbax_io, remote, shards
 from sexpgpu.ckpt.store import latest_step_dir
 from sexpgpu.ckpt.where import LOCAL_DONE, is_remote, join, reason, remote_fs, scrub
 from sexpgpu.errors import SxError
+from sexpgpu.retrying import bounded
 
 _FIX = ("pass --resume a complete step folder (such as <location>/<slug>/<step>) "
         "or --resume latest with --checkpoint-dir")
@@ -91,7 +92,8 @@ def _step_folders(run_dir: str, where: str) -> list[tuple[int, str | None]]:
   """
   if is_remote(run_dir):
     latest_step_dir(run_dir, where)  # E-CKPT-003 when the location cannot be listed
-    done, partial = remote.steps(remote_fs(run_dir, where), run_dir)
+    done, partial = bounded(f"the listing of {scrub(run_dir)}", remote.steps,
+                            remote_fs(run_dir, where), run_dir)
     return sorted([(s, None) for s in done] + [
         (s, "it has no COMMIT marker (its upload never finished)") for s in partial])
   try:
@@ -164,7 +166,7 @@ def _is_complete(step_dir: str, where: str) -> bool:
     return os.path.isfile(os.path.join(step_dir, LOCAL_DONE))
   fs = remote_fs(step_dir, where)
   try:
-    return remote.is_committed(fs, step_dir)
+    return bounded(f"the look-up of {scrub(step_dir)}", remote.is_committed, fs, step_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise _unreadable(step_dir, reason(e), where=where) from e
 
@@ -196,8 +198,8 @@ def peek_meta(step_dir: str) -> dict | None:
   path = join(step_dir, orbax_io.META_FILE)
   try:
     if is_remote(step_dir):
-      with remote_fs(step_dir, "--resume").open(path, "r") as f:
-        return json.load(f)
+      return bounded(f"the read of {scrub(path)}", lambda: json.loads(
+          remote_fs(step_dir, "--resume").cat_file(path.split("://", 1)[1])))
     with open(path) as f:
       return json.load(f)
   except Exception:  # pylint: disable=broad-except

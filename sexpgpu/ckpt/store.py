@@ -18,7 +18,7 @@ from sexpgpu.ckpt.where import (LOCAL_DONE, is_remote, join, reason, remote_fs, 
                                 strip_scheme)
 from sexpgpu.errors import SxError
 from sexpgpu.lang.select import is_slug_component
-from sexpgpu.retrying import call as retried, deadline_s
+from sexpgpu.retrying import bounded, call as retried, deadline_s
 
 
 # A remote run stages each save in a local folder named for its process, then uploads it.
@@ -83,7 +83,7 @@ def latest_step_dir(run_dir: str, where: str) -> str | None:
   if is_remote(run_dir):
     fs = remote_fs(run_dir, where)
     try:
-      done, _ = remote.steps(fs, run_dir)
+      done, _ = bounded(f"the listing of {scrub(run_dir)}", remote.steps, fs, run_dir)
     except Exception as e:  # pylint: disable=broad-except
       raise SxError("E-CKPT-003", f"cannot list checkpoints at {scrub(run_dir)}: {reason(e)}",
                     where=where, fix="check the location and its credentials") from e

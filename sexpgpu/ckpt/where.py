@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from sexpgpu.errors import SxError
-from sexpgpu.paths import is_remote  # noqa: F401  (ckpt/ imports it from here)
+from sexpgpu.paths import is_remote, scrub  # noqa: F401  (ckpt/ imports them from here)
+from sexpgpu.retrying import bounded
 
 # The marker written last into a remote step folder: a step counts only with it.
 COMMIT = "COMMIT"
 # What orbax writes just before it renames a local tmp folder into place.
 LOCAL_DONE = "commit_success.txt"
-_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
-                "GOOGLE_APPLICATION_CREDENTIALS")
-_URL_USER = re.compile(r"(//)[^/@\s]+@")
-_SIGNED = re.compile(r"(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s]+", re.I)
 
 
 def join(base: str, *parts: Any) -> str:
@@ -27,23 +23,12 @@ def join(base: str, *parts: Any) -> str:
   return out
 
 
-def scrub(text: str) -> str:
-  """`text` without credentials: env secrets, `user:pass@` and signed-URL keys."""
-  text = _URL_USER.sub(r"\1***@", str(text))
-  text = _SIGNED.sub(r"\1***", text)
-  for var in _SECRET_VARS:
-    value = os.environ.get(var, "")
-    if len(value) >= 4:
-      text = text.replace(value, "***")
-  return text
-
-
 def reason(exc: BaseException) -> str:
   """A one-line, credential-free account of an exception."""
-  text = " ".join(str(exc).split()) or type(exc).__name__
+  text = scrub(" ".join(str(exc).split()) or type(exc).__name__)  # before it is cut
   if len(text) > 300:
     text = text[:300] + "..."
-  return scrub(f"{type(exc).__name__}: {text}")
+  return f"{type(exc).__name__}: {text}"
 
 
 def remote_fs(location: str, where: str):
@@ -63,7 +48,12 @@ def remote_fs(location: str, where: str):
     if location.startswith("s3://"):
       return _s3_fs()
     import gcsfs  # pylint: disable=import-outside-toplevel
-    return gcsfs.GCSFileSystem()
+    # its credentials are looked for (a metadata server among them) as it is made
+    return bounded(f"opening {scrub(location)}", gcsfs.GCSFileSystem)
+  except TimeoutError as e:
+    raise SxError("E-CKPT-004", f"cannot open checkpoint location {scrub(location)}: {e}",
+                  where=where, fix="check the network and the credentials "
+                  "(GOOGLE_APPLICATION_CREDENTIALS), or raise SEXPGPU_REMOTE_TIMEOUT") from e
   except ImportError as e:
     pkg = "s3fs" if location.startswith("s3://") else "gcsfs"
     raise SxError("E-CKPT-004", f"cannot open checkpoint location {scrub(location)}: "

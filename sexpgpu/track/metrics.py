@@ -8,6 +8,7 @@ import time
 from typing import Callable, Iterator
 
 from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.paths import scrub
 from sexpgpu.track.jsonl_target import JsonlTarget
 from sexpgpu.track.mlflow_target import MlflowTarget
 from sexpgpu.track.targets import Target, TargetError
@@ -16,6 +17,8 @@ from sexpgpu.track.tensorboard_target import TensorBoardTarget
 CODE = "E-METRICS-001"
 _FORMS = "jsonl:PATH, tensorboard:DIR or mlflow:URI, several joined by commas"
 
+# The schemes whose location is a local path (a URI there would make a folder `s3:`).
+LOCAL_SCHEMES = ("jsonl", "tensorboard")
 # scheme → target class, each built as cls(spec, location, slug).
 SCHEMES: dict[str, Callable[[str, str, str], Target]] = {
     "jsonl": JsonlTarget,
@@ -48,7 +51,7 @@ class Metrics:
     """
     if not self._targets:
       return None
-    return ",".join(t.spec for t in self._targets)
+    return ",".join(scrub(t.spec) for t in self._targets)
 
   def summary_path(self) -> str | None:
     """The summary's `metrics` field.
@@ -60,7 +63,7 @@ class Metrics:
     for target in self._targets:
       if isinstance(target, JsonlTarget):
         return target.location
-    return self._targets[0].location if self._targets else None
+    return scrub(self._targets[0].location) if self._targets else None
 
   def emit(self, kind: str, **fields) -> dict:
     """Sends one event to every target.
@@ -161,7 +164,7 @@ def parse(spec: str | None, where: str) -> list[tuple[str, str, str]]:
   seen = set()
   for piece, _, _ in triples:
     if piece in seen:
-      raise _error(f"metrics target `{piece}` given twice", where,
+      raise _error(f"metrics target `{scrub(piece)}` given twice", where,
                    "name each target once")
     seen.add(piece)
   return triples
@@ -169,19 +172,25 @@ def parse(spec: str | None, where: str) -> list[tuple[str, str, str]]:
 
 def _parse_piece(piece: str, spec: str, where: str) -> tuple[str, str, str]:
   if not piece:
-    raise _error(f"empty metrics target in `{spec}`", where,
+    raise _error(f"empty metrics target in `{scrub(spec)}`", where,
                  f"write {_FORMS}, with no empty entry between commas")
   scheme, colon, location = piece.partition(":")
   if not colon:
-    raise _error(f"metrics target `{piece}` has no scheme", where,
+    raise _error(f"metrics target `{scrub(piece)}` has no scheme", where,
                  f"write {_FORMS}, e.g. jsonl:{piece}")
   if scheme not in SCHEMES:
     hint = did_you_mean(scheme, SCHEMES)
-    raise _error(f"unknown metrics scheme `{scheme}` in `{piece}`", where,
+    raise _error(f"unknown metrics scheme `{scrub(scheme)}` in `{scrub(piece)}`", where,
                  (hint + " " if hint else "") + f"targets are {_FORMS}")
   if not location.strip():
-    raise _error(f"metrics target `{piece}` has no location", where,
+    raise _error(f"metrics target `{scrub(piece)}` has no location", where,
                  f"write {_FORMS}")
+  if scheme in LOCAL_SCHEMES and "://" in location:
+    raise _error(f"metrics target `{scrub(piece)}`: {scheme} writes a local "
+                 f"{'file' if scheme == 'jsonl' else 'folder'}, and "
+                 f"{scrub(location)} is a remote location", where,
+                 f"write {scheme}:PATH on a local disk (and copy it to the store when the run "
+                 "ends), or log to mlflow:URI")
   return piece, scheme, location
 
 
@@ -195,8 +204,8 @@ def _as_sx_error(piece: str, where: str) -> Iterator[None]:
   try:
     yield
   except TargetError as e:
-    raise SxError(CODE, f"metrics target `{piece}`: {e.message}", where=where,
-                  fix=e.fix or f"write {_FORMS}") from e
+    raise SxError(CODE, f"metrics target `{scrub(piece)}`: {scrub(e.message)}", where=where,
+                  fix=scrub(e.fix) if e.fix else f"write {_FORMS}") from e
 
 
 def _close_quietly(target: Target) -> None:

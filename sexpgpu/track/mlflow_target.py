@@ -19,6 +19,8 @@ _URI_FIX = ("give a tracking URI MLflow can use: mlflow:sqlite:///PATH.db, "
 _TAG_LIMIT = 5000
 _PARAM_LIMIT = 500
 _BAD_KEY_CHARS = re.compile(r"[^\w\-. /]")
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 
 
 class MlflowTarget:
@@ -99,6 +101,10 @@ def _import_client():
   """MlflowClient, imported on first use with MLflow's own output off."""
   # No usage reporting from inside a training run, unless the user asks.
   os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+  # MLflow's own HTTP retries (7, doubling from 2 s) would hold a dead server's run for
+  # minutes: a few quick ones, each request bounded, unless the user set their own.
+  for name, value in HTTP_DEFAULTS.items():
+    os.environ.setdefault(name, value)
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")

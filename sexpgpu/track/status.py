@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from sexpgpu.errors import SxError
+from sexpgpu.paths import scrub
 from sexpgpu.track.events import to_json
 from sexpgpu.track.targets import ensure_dir, os_reason
 
@@ -32,6 +33,16 @@ class StatusFile:
   """
 
   def __init__(self, path: str | None, where: str = "--status"):
+    """Args: path: the local file to keep the status in, or None; where: its flag.
+
+    Raises:
+      SxError: E-METRICS-001 when `path` is a remote location (it would become a local
+        folder named `s3:`).
+    """
+    if path is not None and "://" in path:
+      raise SxError("E-METRICS-001", f"the status file {scrub(path)} is a remote location; "
+                    "it is a local file, replaced several times a second", where=where,
+                    fix="give --status a path on a local disk (sexpgpu watch reads it there)")
     self.path = path
     self.where = where
     self.last: dict[str, Any] = {}
@@ -51,10 +62,10 @@ class StatusFile:
     if self.path is None:
       return
     try:
-      _replace(self.path, json.dumps(self.last, default=to_json))
+      _replace(self.path, json.dumps(_scrubbed(self.last), default=to_json))
     except OSError as e:
       raise SxError("E-METRICS-001",
-                    f"cannot write status file {self.path}: {os_reason(e)}",
+                    f"cannot write status file {scrub(self.path)}: {scrub(os_reason(e))}",
                     where=self.where,
                     fix="give a file path in a directory you can write") from e
 
@@ -92,6 +103,17 @@ class StatusFile:
     self.update(**fields)
     self._written_at = now
     return True
+
+
+def _scrubbed(value: Any) -> Any:
+  """`value` with every string in it scrubbed of credentials (paths.scrub)."""
+  if isinstance(value, str):
+    return scrub(value)
+  if isinstance(value, dict):
+    return {k: _scrubbed(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_scrubbed(v) for v in value]
+  return value
 
 
 def read_status(path: str) -> dict:
