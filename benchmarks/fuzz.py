@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import io
 import json
 import math
@@ -26,14 +27,25 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEEDS = [os.path.join(ROOT, "configs", n) for n in ("tiny-lm.sx", "classifier.sx", "char-lm.sx")]
-SEEDS += [os.path.join(ROOT, "tests", "sx", n) for n in ("ok_tiny.sx", "ok_curr_lr.sx",
-                                                        "ok_variant_set.sx")]
+# What a run is fed: small experiments that train a step in well under a second.
+RUN_SEEDS = [os.path.join(ROOT, "configs", n) for n in ("tiny-lm.sx", "classifier.sx",
+                                                        "char-lm.sx")]
+RUN_SEEDS += [os.path.join(ROOT, "tests", "sx", n) for n in ("ok_tiny.sx", "ok_curr_lr.sx",
+                                                            "ok_variant_set.sx")]
+# What check is fed: every `.sx` of the repository (its configs, examples and fixtures).
+SEEDS = sorted({p for pattern in ("configs/*.sx", "examples/**/*.sx", "tests/sx/*.sx",
+                                  "tests/data/*.sx")
+                for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)} | set(RUN_SEEDS))
+# A marker of a credential: no output, status file or metrics file may ever hold it.
+SECRET = "SXFUZZSECRET42"
+LONG = "9" * 4301  # past Python's 4,300-digit limit on int()
 
 NUMBERS = ["0", "-0", "1", "-1", "2", "3", "7", "43", "-5", "0.0", "-0.5", "1e-9", "1e30",
            "1e308", "1e309", "1e400", "-1e400", "1e-400", "99999999999999999999",
            "-99999999999999999999", "9223372036854775807", "9223372036854775808", "nan", "inf",
-           "-inf", "NaN", "1_000", "0x10", "1.5.5", "4294967296", "65536"]
+           "-inf", "NaN", "1_000", "0x10", "1.5.5", "4294967296", "65536", LONG, "-" + LONG,
+           "2147483647", "2147483648", "4294967295", "4294967297", "131072", "131073",
+           "0" * 5000 + "7"]
 TOKENS = NUMBERS + ["(", ")", "[", "]", '"', '"s"', ":", ":batch", ":lr", ":init", ":heads",
                     "nil", "true", "false", "x", "relu", "matmul", "dense", "let", "fn", "if",
                     "repeat", "param", "defn", "defknob", "#;", ";", "\\", "\ufeff", "\x00",
@@ -45,9 +57,25 @@ VARIANTS = ["smoke", "nope", "", "smoke smoke"]
 # Variables this fuzz sets (the device and node variables are another suite's).
 VARIABLES = {
     "SEXPGPU_PATTERNS": ["on", "off", "maybe", ""],
-    "SEXPGPU_STACKING": ["auto", "1", "2", "0", "-3", "x", "99999999999999999999"],
-    "SEXPGPU_RUN_SLUG": ["a", "../x", "é", "a b", ""],
-    "SEXPGPU_MEMORY": ["40GiB", "1", "-1GiB", "lots", "1e400GiB"],
+    "SEXPGPU_STACKING": ["auto", "1", "2", "3", "0", "-3", "x", "99999999999999999999", LONG],
+    "SEXPGPU_RUN_SLUG": ["a", "../x", "é", "a b", "", "..", ".", "a/b", "a\\b", "\udcff",
+                         "x" * 300],
+    "SEXPGPU_MEMORY": ["40GiB", "1", "-1GiB", "lots", "1e400GiB", LONG + "GiB"],
+    "SEXPGPU_NODES": ["1", "0", "x", LONG],
+    "SEXPGPU_DEVICES": ["0", "0,0", "x", LONG],
+    "SEXPGPU_PROFILE": ["1..2", "2..1", LONG, "1.." + LONG],
+    "SEXPGPU_REMOTE_TIMEOUT": ["5", "0", "-1", "nan", "inf", LONG],
+    "SEXPGPU_CACHE_DIR": ["/proc/self", "/proc/version/x", "/etc/passwd", "\udcff\udcfe",
+                          f"s3://KEY:{SECRET}@bucket/cache"],
+    "SEXPGPU_METRICS": ["jsonl:s3://bucket/m.jsonl", f"mlflow:http://u:{SECRET}@127.0.0.1:9",
+                        "nope:x", ""],
+}
+# Flags whose value is a location: a run must write there or refuse, and never show a secret.
+LOCATIONS = {
+    "--metrics": ["jsonl:s3://bucket/m.jsonl", f"jsonl:s3://K:{SECRET}@bucket/m.jsonl",
+                  "tensorboard:gs://bucket/tb", ""],
+    "--status": ["s3://bucket/s.json", f"s3://K:{SECRET}@bucket/s.json", ""],
+    "--checkpoint-dir": ["", "\udcff", f"gs://K:{SECRET}@bucket/p"],
 }
 
 
@@ -98,7 +126,8 @@ def generate(rng: random.Random, seeds: dict[str, str], light: bool = False
     light: only the flags, variables and numbers change (an input that mostly compiles:
       what a run is fed).
   """
-  name = rng.choice(list(seeds))
+  names = [n for n in seeds if n in RUN_SEEDS] if light else list(seeds)
+  name = rng.choice(names or list(seeds))
   text = seeds[name]
   r = rng.choice([0.1, 0.1, 0.7]) if light else rng.random()  # light: as is, or numbers
   if r < 0.25:
@@ -117,6 +146,11 @@ def generate(rng: random.Random, seeds: dict[str, str], light: bool = False
   if light:  # a run: at most one numeric knob, often an extreme one
     if rng.random() < 0.7:
       flags = ["--set", f"{rng.choice(['lr', 'width', 'seed', 'layers'])}={rng.choice(NUMBERS)}"]
+    if rng.random() < 0.2:
+      flag = rng.choice(sorted(LOCATIONS))
+      value = rng.choice(LOCATIONS[flag])
+      if value:
+        flags += [flag, value]
     return data, flags, {}
   for _ in range(rng.choice([0, 0, 1, 2, 3])):
     flags += ["--set", f"{rng.choice(KNOBS)}={rng.choice(NUMBERS + ['f32', 'bf16', 'x', ''])}"]
@@ -164,6 +198,8 @@ def feed(path: str, argv: list[str], env: dict) -> str | None:
     return f"{type(e).__name__}: {e}"[:300]
   OUTCOMES[(argv[0], code)] = OUTCOMES.get((argv[0], code), 0) + 1
   text = err.getvalue()
+  if SECRET in text or SECRET in out.getvalue():
+    return "a secret of a URI in the output: " + (text + out.getvalue())[-300:]
   if "Traceback" in text:
     return "a traceback on standard error: " + text[-300:]
   if code not in (0, 1):
@@ -218,12 +254,88 @@ def fuzz(count: int, runs: int, seed: int, folder: str) -> tuple[int, list[str]]
   return count, findings
 
 
+DAMAGES = ("removed", "truncated", "flipped", "emptied")
+
+
+def _damage(path: str, how: str) -> None:
+  if how == "removed":
+    os.unlink(path)
+    return
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
+  if how == "truncated":
+    data = data[:len(data) // 2]
+  elif how == "flipped" and data:
+    data[len(data) // 2] ^= 0x01
+  elif how == "emptied":
+    data = bytearray()
+  with open(path, "wb") as f:
+    f.write(bytes(data))
+
+
+def fuzz_checkpoints(folder: str, restore: bool = True, limit: int | None = None
+                     ) -> tuple[int, list[str]]:
+  """Each file of a real checkpoint removed, truncated, flipped or emptied, one at a time.
+
+  Two steps are saved; the newer one is damaged. `--resume latest` must fall back to the
+  older one with a `checkpoint: skipped` line naming the newer, and (with `restore`)
+  reading the damaged step itself must be E-CKPT-003: never the damaged data, another
+  exception, or a silent fresh start.
+
+  Returns:
+    (cases, findings).
+  """
+  import shutil  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from sexpgpu.ckpt import CheckpointStore, resolve_resume, restore_checkpoint
+  from sexpgpu.errors import SxError
+  state = {"w": np.arange(64, dtype=np.float32).reshape(8, 8), "pos": np.int64(3)}
+  base = os.path.join(folder, "ckpt-base")
+  with CheckpointStore(base, "run", keep=5) as store:
+    for step in (1, 2):
+      store.save(step, state, {"step": step}, wait=True)
+  newer = os.path.join(base, "run", "2")
+  files = sorted(os.path.relpath(os.path.join(r, n), newer)
+                 for r, _, ns in os.walk(newer) for n in ns)
+  cases = [(rel, how) for rel in files for how in DAMAGES
+           if not (how == "flipped" and os.path.getsize(os.path.join(newer, rel)) == 0)]
+  findings = []
+  for k, (rel, how) in enumerate(cases[:limit]):
+    trial = os.path.join(folder, f"ckpt-{k}")
+    shutil.copytree(base, trial)
+    step_dir = os.path.join(trial, "run", "2")
+    _damage(os.path.join(step_dir, rel), how)
+    err = io.StringIO()
+    try:
+      with contextlib.redirect_stderr(err):
+        found, _ = resolve_resume("latest", trial, "run")
+      if found != os.path.join(trial, "run", "1"):
+        findings.append(f"{rel} {how}: --resume latest chose {found}")
+      elif f"checkpoint: skipped {step_dir}" not in err.getvalue():
+        findings.append(f"{rel} {how}: the fallback printed no skipped line")
+      if restore:
+        try:
+          restore_checkpoint(step_dir, state)
+          findings.append(f"{rel} {how}: the damaged step restored")
+        except SxError as e:
+          if e.code != "E-CKPT-003":
+            findings.append(f"{rel} {how}: restore is {e.code}")
+    except SxError as e:
+      findings.append(f"{rel} {how}: {e.code} {e.message[:200]}")
+    except BaseException as e:  # noqa: BLE001 - any escape is the finding
+      findings.append(f"{rel} {how}: {type(e).__name__}: {e}"[:300])
+    shutil.rmtree(trial, ignore_errors=True)
+  return len(cases[:limit]), findings
+
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--count", type=int, default=10000)
   ap.add_argument("--runs", type=int, default=50)
   ap.add_argument("--seed", type=int, default=1)
   ap.add_argument("--keep", default=None, help="folder for the inputs and findings")
+  ap.add_argument("--checkpoints", action="store_true",
+                  help="also damage each file of a real checkpoint, one at a time")
   args = ap.parse_args()
   folder = args.keep or tempfile.mkdtemp(prefix="sexpgpu-fuzz-")
   os.makedirs(folder, exist_ok=True)
@@ -234,6 +346,10 @@ def main() -> int:
   print(f"fuzz: {n} inputs ({args.runs} through run --steps 1) in {dt:.1f}s, "
         f"{len(findings)} findings; inputs in {folder}")
   print("  outcomes: " + ", ".join(f"{c} exit {k}: {v}" for (c, k), v in sorted(OUTCOMES.items())))
+  if args.checkpoints:
+    cases, more = fuzz_checkpoints(folder)
+    print(f"fuzz: {cases} damaged checkpoints, {len(more)} findings")
+    findings += more
   for f in findings:
     print("  " + f)
   return 1 if findings else 0

@@ -56,3 +56,48 @@ def _utf8(b):
     return True
   except UnicodeDecodeError:
     return False
+
+
+def test_the_seeds_are_every_sx_of_the_repository():
+  import glob
+  for pattern in ("configs/*.sx", "tests/sx/*.sx", "tests/data/*.sx"):
+    for path in glob.glob(os.path.join(ROOT, pattern)):
+      assert path in fuzz.SEEDS, path
+  assert set(fuzz.RUN_SEEDS) <= set(fuzz.SEEDS)
+
+
+def test_generated_inputs_reach_the_sizes_names_and_secrets():
+  import random
+  rng = random.Random(1)
+  seeds = {p: open(p, encoding="utf-8").read() for p in fuzz.SEEDS}
+  inputs = [fuzz.generate(rng, seeds) for _ in range(1500)]
+  runs = [fuzz.generate(rng, seeds, light=True) for _ in range(300)]
+  texts = [d for d, _, _ in inputs]
+  flags = [" ".join(f) for _, f, _ in inputs + runs]
+  envs = [e for _, _, e in inputs]
+  assert any(fuzz.LONG.encode() in b for b in texts)  # past 4,300 digits in a file
+  assert any(fuzz.LONG in f for f in flags)  # and in a flag
+  assert any("2147483648" in f or "4294967296" in f for f in flags)
+  assert any(e.get("SEXPGPU_RUN_SLUG") == ".." for e in envs)
+  assert any(fuzz.SECRET in e.get("SEXPGPU_CACHE_DIR", "") for e in envs)
+  assert any(fuzz.SECRET in f for f in flags)  # a credential in a location flag
+  assert {v for e in envs for v in e} >= {"SEXPGPU_NODES", "SEXPGPU_CACHE_DIR",
+                                          "SEXPGPU_STACKING", "SEXPGPU_RUN_SLUG"}
+
+
+def test_the_oracle_catches_a_secret_in_the_output(tmp_path, monkeypatch):
+  import sexpgpu.cli.main as cli
+
+  def leak(argv):
+    print(f"error[E-ENV-001]: s3://k:{fuzz.SECRET}@b", file=__import__("sys").stderr)
+    return 1
+  monkeypatch.setitem(cli.COMMANDS, "check", leak)
+  p = tmp_path / "a.sx"
+  p.write_text("(defrun)")
+  assert "secret" in fuzz.feed(str(p), ["check", str(p)], {})
+
+
+def test_every_damaged_checkpoint_file_is_skipped_by_name(tmp_path):
+  cases, findings = fuzz.fuzz_checkpoints(str(tmp_path), restore=False)
+  assert cases >= 40  # every file of a step folder, four ways
+  assert not findings, "\n".join(findings)
