@@ -276,3 +276,27 @@ def test_a_static_fold_that_fails_is_placed():
   with pytest.raises(SxError) as e:
     Builder(env).eval(read_text("(mod 7 0)", "ops.sx")[0], env)
   assert e.value.code == "E-TYPE-001" and e.value.location.line == 1
+
+
+def test_random_calls_of_every_op_raise_only_placed_errors():
+  """Calls a newcomer might write: every declared op, arguments and keywords drawn from
+  tensors, numbers past int32, strings, vectors, dtypes and nil."""
+  import random
+  import warnings
+  from sexpgpu.ir.ops import OPS
+  vals = ["x", "m", "idx", "img", "p", "1", "-1", "0", "2.5", "true", "nil", '"same"', '"x"',
+          "[1 2]", "[[1 0] [0 1]]", "[]", "[-1]", "f32", "i32", "99999999999", "(sum x)",
+          "-9223372036854775808", "1e308", "[[1 2 3]]"]
+  rnd = random.Random(0)
+  names = sorted(n for n, op in OPS.items() if op.source is None)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(600):
+      op = rnd.choice(names)
+      args = [rnd.choice(vals) for _ in range(rnd.randint(0, 3))]
+      kws = [w for a in OPS[op].attrs if rnd.random() < 0.5 for w in (f":{a.name}",
+                                                                       rnd.choice(vals))]
+      try:
+        graph_of(f"({op} {' '.join(args)} {' '.join(kws)})", ("x", "m", "idx", "img", "p"))
+      except SxError as e:
+        assert e.location is not None and e.fix

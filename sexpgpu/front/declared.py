@@ -34,6 +34,10 @@ def _pairs(v: Any) -> bool:
                                       for p in v)
 
 
+# Ops whose tensors may be static numbers, broadcast as `+` broadcasts them: (mod x 2).
+SCALARS = ("mod", "logical-and", "logical-or")
+
+
 def _attr_value(op: OpDef, a: Attr, v: Any, rank: int | None) -> Any:
   """The attribute's value as the IR keeps it, or None when `v` is not of its type."""
   t = a.type
@@ -111,7 +115,7 @@ def read_call(b: Builder, call: Call, op: OpDef) -> tuple[list, dict]:
     raise SxError("E-TYPE-001", f"{op.name} needs a tensor; found {describe(tensors[i])}",
                   location=call.arg_forms[i].loc, fix=f"pass a tensor: {usage}")
   for i, t in enumerate(tensors):
-    if not is_tensor(t) and not (is_number(t) or isinstance(t, bool)):
+    if not is_tensor(t) and (op.name not in SCALARS or not (is_number(t) or isinstance(t, bool))):
       raise SxError("E-TYPE-001", f"{op.name}: `{tensors_in[i]}` is a tensor; found "
                     f"{describe(t)}", location=call.arg_forms[i].loc, fix=f"write {usage}")
   rank = len(tensors[0].shape) if tensors and is_tensor(tensors[0]) else None

@@ -35,7 +35,7 @@ def _unary(name, fn, doc):
 
 def _logical(fn):
   def rule(ctx, *xs):
-    if any(x.dtype != jnp.bool_ for x in xs):
+    if any(getattr(x, "dtype", None) != jnp.bool_ for x in xs):
       raise TypeError("takes boolean tensors; compare first, as (< a b), or (cast x bool)")
     return fn(*xs)
   return rule
@@ -253,12 +253,19 @@ _ALONG = (Attr("axis", "axis", -1, "the axis", positional=True),)
 
 @register("softmax", ("x",), "softmax along an axis", _ALONG, written="(softmax X AXIS)")
 def _softmax(ctx, x, *, axis):
+  _floating(x)
   return jax.nn.softmax(x, axis=axis)
+
+
+def _floating(x):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"takes a float tensor, not {x.dtype}: (cast x f32) first")
 
 
 @register("log-softmax", ("x",), "log of softmax along an axis", _ALONG,
           written="(log-softmax X AXIS)")
 def _log_softmax(ctx, x, *, axis):
+  _floating(x)
   return jax.nn.log_softmax(x, axis=axis)
 
 

@@ -56,7 +56,7 @@ def infer(op: str, attrs: tuple, in_types: tuple[InType, ...]) -> tuple[str, tup
   try:
     with jax.numpy_dtype_promotion("strict"):
       out = jax.eval_shape(fn, *(s for _, s in structs))
-  except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
+  except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, OverflowError) as e:
     if opdef.source is not None:
       raise _user_error(e, opdef.source) from None
     message = _first_line(e)
