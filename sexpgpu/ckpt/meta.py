@@ -7,27 +7,11 @@ and `export` write and read one schema without sharing anything else.
 
 from __future__ import annotations
 
-import platform
 from typing import Any, Mapping
 
 from sexpgpu.errors import SxError
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT, format_value
-
-
-def jsonable(v: Any) -> Any:
-  """A knob value as JSON: numbers and booleans as they are, anything else as text."""
-  if isinstance(v, (bool, int, float)) or v is None:
-    return v
-  return str(v)
-
-
-def versions() -> dict:
-  """The versions a checkpoint and the config event record."""
-  from importlib.metadata import version
-  import jax
-  import jaxlib
-  return {"sexpgpu": version("sexpgpu"), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "python": platform.python_version()}
+from sexpgpu.record import jsonable, versions
 
 
 def identity(fingerprint: str, graph_fingerprint: str, slug: str, knobs: Mapping[str, Any],

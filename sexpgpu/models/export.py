@@ -8,22 +8,22 @@ import os
 import shutil
 import numpy as np
 
-from sexpgpu.ckpt import meta as ckpt_meta
 from sexpgpu.errors import SxError
 from sexpgpu.models import source, twin
+from sexpgpu.record import jsonable, versions
 
 FORMATS = ("safetensors", "hf")
 
 
 def _metadata(c, meta: dict) -> dict[str, str]:
   """safetensors metadata (text only): what the weights are of, and at which step."""
-  knobs = meta.get("knobs") or {k: ckpt_meta.jsonable(v.value)
+  knobs = meta.get("knobs") or {k: jsonable(v.value)
                                 for k, v in c.selection.knobs.items()}
   return {"format": source.SX_FORMAT, "fingerprint": str(meta.get("fingerprint", c.fingerprint)),
           "graph_fingerprint": str(meta.get("graph_fingerprint", c.graph_fingerprint)),
           "slug": str(meta.get("slug", c.slug)), "step": str(int(meta.get("step", 0))),
           "knobs": json.dumps(knobs, sort_keys=True),
-          "versions": json.dumps(meta.get("versions") or ckpt_meta.versions(), sort_keys=True)}
+          "versions": json.dumps(meta.get("versions") or versions(), sort_keys=True)}
 
 
 def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str]) -> None:
@@ -109,6 +109,7 @@ def write_step0(c, params: dict[str, np.ndarray], out: str) -> str:
   fresh loaders: `sexpgpu run FILE.sx --resume <it>` trains from there."""
   import jax
   from sexpgpu.ckpt import CheckpointStore
+  from sexpgpu.ckpt import meta as ckpt_meta
   from sexpgpu.ir.ops import DTYPES
   from sexpgpu.lower.optim import make_optimizer
   from sexpgpu.lower.step import init_state

@@ -1,6 +1,7 @@
 """The run's side of checkpoints: saving (Saver), resuming, and the checks of a resume.
 
-What a checkpoint's meta holds is ckpt/meta.py's; this module fills it from the run.
+What a checkpoint's meta holds is ckpt/meta.py's; this module fills it from the run. The
+checkpoint modules are imported where a checkpoint is written or read: they load orbax.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import time
 import jax
 import numpy as np
 
-from sexpgpu.ckpt import meta as ckpt_meta
-
 
 def identity(c) -> dict:
   """The experiment's identity in a checkpoint's meta (fingerprints, slug, knobs, sources)."""
+  from sexpgpu.ckpt import meta as ckpt_meta
   return ckpt_meta.identity(c.fingerprint, c.graph_fingerprint, c.slug,
                             {k: v.value for k, v in c.selection.knobs.items()},
                             c.program.sources)
@@ -23,6 +23,7 @@ def identity(c) -> dict:
 
 def check_same(c, place, meta_: dict, step_dir: str) -> None:
   """Refuses a checkpoint of another rank count (E-DP-002) or experiment (E-CKPT-002)."""
+  from sexpgpu.ckpt import meta as ckpt_meta
   ckpt_meta.check_placement(meta_, step_dir, place.ranks, place.nodes)
   ckpt_meta.check_experiment(meta_, step_dir, c.fingerprint,
                              {k: v.value for k, v in c.selection.knobs.items()})
@@ -105,6 +106,7 @@ class Saver:
 
   def meta(self, step: int, stacking: int, loader_states: dict) -> dict:
     """The meta of a checkpoint at `step` (loaders as of `step`, not as drawn ahead)."""
+    from sexpgpu.ckpt import meta as ckpt_meta
     p, place, training = self.progress, self.training.place, self.training
     out = ckpt_meta.build(identity(self.c), step, p.stage, counters=p.counters,
                           last_pass=p.last_pass, train_loss=p.train_loss, loaders=loader_states,

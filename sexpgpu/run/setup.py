@@ -8,13 +8,20 @@ import os
 import time
 from typing import Iterator
 
-from sexpgpu import retrying
-from sexpgpu.ckpt import meta as ckpt_meta
+import jax
+
+from sexpgpu import record, retrying
+from sexpgpu.devices.env import check_visible, cpu_visible, rendezvous_timeout
 from sexpgpu.errors import SxError
+from sexpgpu.lang.select import NOT_IN_FINGERPRINT
+from sexpgpu.lower.flops import device_peak, forward_bytes, train_flops
 from sexpgpu.run import output
-from sexpgpu.run.devices import (MMAP_CEILING, TRIM_CEILING, microbatches_divide, open_devices,
-                                 parse_device_list)
+from sexpgpu.run.devices import (MMAP_CEILING, TRIM_CEILING, autotune_of, cpu_flags, deterministic,
+                                 deterministic_flags, keep_host_memory, microbatches_divide,
+                                 open_devices, parse_device_list)
+from sexpgpu.run.profile import Profile, default_dir
 from sexpgpu.run.training import build
+from sexpgpu.track import open_metrics as open_targets
 
 
 def wants_kept_host_memory(c) -> bool:
@@ -25,7 +32,6 @@ def wants_kept_host_memory(c) -> bool:
   reuses buffers without help, and its trim ceiling, above which it gives a freed
   buffer back to the OS anyway (devices.keep_host_memory).
   """
-  from sexpgpu.lower.flops import forward_bytes
   return MMAP_CEILING < max(forward_bytes(s.graph) for s in c.stages) <= TRIM_CEILING
 
 
@@ -52,25 +58,19 @@ def open_backend(c, o, nodes_cfg, progress):
 def _before_backend(c, o, nodes_cfg, ordinals, progress):
   """What must happen before anything starts a JAX backend; returns the rendezvous or None."""
   if o.device == "cpu" and wants_kept_host_memory(c):
-    from sexpgpu.run.devices import keep_host_memory
     keep_host_memory()
   if o.device == "cuda":  # on one node or several
-    from sexpgpu.run.devices import autotune_of, deterministic, deterministic_flags
     deterministic_flags(autotune_of(_resume_meta(c, o)) if deterministic() else None)
   if nodes_cfg is None:
     return None
   from sexpgpu.devices import nodes
-  from sexpgpu.devices.env import rendezvous_timeout
 
   def on_timeout(err):
     progress.failed(err.code, err.message)
 
   if o.device == "cpu":
-    from sexpgpu.run.devices import cpu_flags
     cpu_flags()
     if ordinals:  # SEXPGPU_DEVICES=0,1 gives each node that many host devices
-      import jax
-      from sexpgpu.devices.env import check_visible, cpu_visible
       check_visible(ordinals, cpu_visible(), "cpu")
       if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", max(ordinals) + 1)
@@ -115,7 +115,6 @@ def open_checkpoints(c, o, node: int):
 def open_metrics(c, o, place, node: int, resume_text: str, log):
   """The metrics targets (node 0 writes them), announced: the configuration line, the
   `metrics:` line and the config event."""
-  from sexpgpu.track import open_metrics as open_targets
   run = c.exp.run
   metrics = open_targets(o.metrics if node == 0 else None, c.slug, where=o.metrics_where)
   log(output.config_line(o.file, c.slug, o.device, int(run["steps"]), int(run["microbatches"]),
@@ -127,9 +126,9 @@ def open_metrics(c, o, place, node: int, resume_text: str, log):
     log(f"metrics: {metrics.describe()}")
   metrics.emit("config", file=c.program.path, fingerprint=c.fingerprint, device=o.device,
                ranks=place.ranks, nodes=place.nodes,
-               knobs={n: {"value": ckpt_meta.jsonable(v.value), "source": v.source}
+               knobs={n: {"value": record.jsonable(v.value), "source": v.source}
                       for n, v in c.selection.knobs.items()},
-               versions=ckpt_meta.versions(), resume=resume_text)
+               versions=record.versions(), resume=resume_text)
   return metrics
 
 
@@ -166,14 +165,12 @@ def build_training(c, place, nodes_cfg, rdv, resume_dir: str | None, progress):
   node_gradients = nodes_cfg.gradients if nodes_cfg else "f32"
   if rdv is not None:
     from sexpgpu.devices.nodes import compare_at_rendezvous
-    from sexpgpu.lang.select import NOT_IN_FINGERPRINT
     compare_at_rendezvous({"nodes": place.nodes, "node": nodes_cfg.rank,
                            "gpus": len(place.local_devices), "fingerprint": c.fingerprint,
                            "gradients": node_gradients, "resume": resume_dir or "-",
                            "knobs": {k: str(v.value) for k, v in c.selection.knobs.items()
                                      if k in NOT_IN_FINGERPRINT}}, rdv)
   training = build(c, place, node_gradients)
-  from sexpgpu.lower.flops import device_peak, train_flops
   progress.flops = [train_flops(s.graph, training.k) for s in c.stages]
   progress.peak = device_peak(place.first, training.precision)
   if any("tokens" in f for f in c.fields.values()):
@@ -185,5 +182,4 @@ def open_profile(c, o):
   """The run's Profile when --profile asked for one, else None."""
   if o.profile is None:
     return None
-  from sexpgpu.run.profile import Profile, default_dir
   return Profile(*o.profile, o.profile_dir or default_dir(c.slug, o.metrics))
