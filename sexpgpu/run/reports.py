@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 
-from sexpgpu.run import output
+from sexpgpu.devices.memory import peak_line as line_of
+from sexpgpu.devices.report import lowering_annotation, lowering_report
+from sexpgpu.run import output, plan
+from sexpgpu.run.compile import cache_dir
+from sexpgpu.run.devices import peak_bytes
 
 
 def annotate(c, training, choice, metrics, place, log) -> None:
   """The lowering, memory and stacking annotations; on a GPU the lowering report's lines."""
-  from sexpgpu.devices.report import lowering_annotation, lowering_report
   compiled = next(iter(choice.executables.values()))
   regions = region_lines(c.regions, training.step(0, choice.degree).notes)
   ann = lowering_annotation(place.first, c.patterns, regions, compiled, choice.plan, choice.text)
@@ -34,8 +37,6 @@ def emit_stacking(choice, metrics) -> None:
 
 def measured(choice, training, stage: int, state, batches, metrics):
   """The stacking chosen by timing each degree on the first step's batches, annotated."""
-  from sexpgpu.run import plan
-  from sexpgpu.run.compile import cache_dir
   choice = plan.measure(choice, training, stage, state, batches, training.place.first,
                         cache_dir())
   emit_stacking(choice, metrics)
@@ -76,8 +77,6 @@ def finish(c, progress, counter, timings: dict, first: int, last: int, profile, 
 
 def peak_line(place, choice, metrics, log) -> None:
   """On a GPU: `memory: peak X of Y planned (+Z%)`, the allocator's peak against the plan."""
-  from sexpgpu.devices.memory import peak_line as line_of
-  from sexpgpu.run.devices import peak_bytes
   if place.first.platform == "cpu":
     return
   peak = peak_bytes(place.first)

@@ -16,6 +16,7 @@ import numpy as np
 
 from sexpgpu.errors import SxError
 from sexpgpu.run import signals
+from sexpgpu.run.devices import peak_bytes
 from sexpgpu.run.plan import shrink_hints
 
 
@@ -173,7 +174,6 @@ class Steps:
           "throughput/tokens-per-second": tps, "throughput/mfu": mfu,
           "counters": dict(progress.counters)}
     if training.place.first.platform != "cpu":
-      from sexpgpu.run.devices import peak_bytes
       ev["runtime/peak_bytes"] = peak_bytes(training.place.first)
     self.metrics.emit("step", step=step, **ev)
     for d in training.diags:
