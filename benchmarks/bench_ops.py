@@ -11,9 +11,11 @@ are `jax.jit(jax.value_and_grad(loss))` of the parameters: the sexpgpu leg evalu
 compiled graph with `sexpgpu.lower.interp.run_graph`, the twin is plain JAX. The two must
 agree (loss to 1e-5 relative, every gradient to 1e-4 of its largest entry: asserted), so
 the twin is the same computation. Each leg is compiled and run once to warm up, then the
-rounds alternate the order of the legs; a round times N calls of each leg (to completion).
-The figure is the median over rounds of twin time / sexpgpu time: 1.0 is parity, above 1
-sexpgpu is faster; the goal is ≥ 0.95 for each case.
+rounds alternate the order of the legs; a round times N calls of each leg, each waited for,
+and keeps their median. The figure is the median over rounds of twin time / sexpgpu time:
+1.0 is parity, above 1 sexpgpu is faster; the goal is ≥ 0.95 for each case. Beside it,
+XLA's cost analysis of both executables (flops, bytes accessed) and their instruction
+counts: on a busy machine the times scatter, the work each executable does does not.
 
   moe               std/moe.sx's `moe` (router, top-2 of 8 experts, capacity factor 1.25,
                     one-hot/cumsum dispatch, SwiGLU experts [e d h], combine) + its
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -243,24 +246,35 @@ def check(outs: dict) -> float:
 
 
 def time_leg(fn, params, xs, iters: int) -> float:
-  t0 = time.perf_counter()
+  """The median seconds of `iters` calls, each waited for: robust to a busy machine's spikes."""
+  times = []
   for _ in range(iters):
-    out = fn(params, *xs)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / iters
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(params, *xs))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def cost(compiled) -> dict:
+  """XLA's view of an executable: its flops and bytes (cost analysis), its instructions."""
+  c = compiled.cost_analysis()
+  c = c[0] if isinstance(c, list) else c
+  text = compiled.as_text()
+  return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0)),
+          "instructions": len(re.findall(r"^\s*(?:ROOT )?%?[\w.-]+ = ", text, re.M))}
 
 
 def run_case(name, sx, twin, arrays, rounds, iters, tmp) -> dict:
   graph, params = build(name, sx, arrays, tmp)
   fields = list(arrays)
   xs = [jnp.asarray(arrays[f]) for f in fields]
-  fns = legs(graph, twin, fields)
-  compile_s = {}
-  outs = {}
-  for leg, fn in fns.items():
+  fns, compile_s, outs, costs = {}, {}, {}, {}
+  for leg, fn in legs(graph, twin, fields).items():
     t0 = time.perf_counter()
-    outs[leg] = jax.block_until_ready(fn(params, *xs))
+    fns[leg] = fn.lower(params, *xs).compile()  # ahead of time: what is timed is this
     compile_s[leg] = time.perf_counter() - t0
+    outs[leg] = jax.block_until_ready(fns[leg](params, *xs))
+    costs[leg] = cost(fns[leg])
   err = check(outs)
   times = {leg: [] for leg in fns}
   for r in range(rounds):
@@ -271,7 +285,7 @@ def run_case(name, sx, twin, arrays, rounds, iters, tmp) -> dict:
   return {"case": name, "ratio": statistics.median(ratios), "min": min(ratios),
           "max": max(ratios), "sexpgpu_ms": 1e3 * statistics.median(times["sexpgpu"]),
           "jax_ms": 1e3 * statistics.median(times["jax"]), "grad_err": err,
-          "compile_s": compile_s, "loss": float(outs["sexpgpu"][0])}
+          "compile_s": compile_s, "cost": costs, "loss": float(outs["sexpgpu"][0])}
 
 
 def main(argv=None) -> int:
@@ -300,6 +314,10 @@ def main(argv=None) -> int:
       print(f"{n:17s} twin/sexpgpu {res['ratio']:.3f} (range {res['min']:.3f}-"
             f"{res['max']:.3f})  sexpgpu {res['sexpgpu_ms']:.3f} ms  jax {res['jax_ms']:.3f} ms"
             f"  grad diff {res['grad_err']:.1e}", flush=True)
+      cs, cj = res["cost"]["sexpgpu"], res["cost"]["jax"]
+      print(f"{'':17s} XLA: flops {cs['flops'] / max(cj['flops'], 1):.4f}x the twin's, bytes "
+            f"{cs['bytes'] / max(cj['bytes'], 1):.4f}x, instructions {cs['instructions']} vs "
+            f"{cj['instructions']}", flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"device": jax.devices()[0].platform, "rounds": rounds, "iters": iters,

@@ -180,3 +180,19 @@ def test_ssm_lm_trains(tmp_path):
   s, steps, passes, _ = _train("ssm-lm", tmp_path)
   assert s.steps == 60
   _falls(steps, passes, ratio=0.6)
+
+
+# --- the benchmark's twins -----------------------------------------------------------------
+def test_bench_ops_twins_compute_what_the_graphs_compute(tmp_path):
+  # a smoke of benchmarks/bench_ops.py at its --quick shapes: its hand-written twin of
+  # linear attention by cumsum agrees with the compiled graph (loss and every gradient:
+  # run_case asserts it) and one timed round gives a ratio
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "bench_ops", os.path.join(ROOT, "benchmarks", "bench_ops.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  table = bench.cases(quick=True)
+  assert sorted(table) == ["cnn", "linear-attention", "moe", "recurrence"]
+  res = bench.run_case("linear-attention", *table["linear-attention"], 1, 1, str(tmp_path))
+  assert res["case"] == "linear-attention" and res["grad_err"] < 1e-4 and res["ratio"] > 0
