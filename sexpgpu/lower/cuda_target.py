@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import importlib
 import re
 
 import jax
@@ -20,6 +21,11 @@ import jax
 # cuDNN 9.28.1: what `check_cudnn_version()` answered with the jax-cuda13-plugin and
 # nvidia-cudnn-cu13 wheels of jax[cuda13]==0.10.2 installed (no GPU needed to ask).
 ASSUMED_CUDNN = 92801
+# The one jax module outside its public API that sexpgpu touches: where cuDNN attention's
+# lowering asks `check_cudnn_version()`. No public API answers or stands in for it, and
+# cross-lowering cannot do without it. Reached by name, for this one purpose only; when a
+# jax release moves it, `cudnn_answered` stands nothing in and says so (`cudnn_source`).
+CUDNN_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
 _CALL = re.compile(r"custom_call\s*@([\w$.\-]+)")
 
 
@@ -32,16 +38,27 @@ def cuda_present() -> bool:
     return False
 
 
-def _installed_cudnn() -> int | None:
-  from jax._src.cudnn import fused_attention_stablehlo as fused
+def _fused():
+  """jax's cuDNN attention module, or None when this jax has it elsewhere."""
   try:
-    return int(fused.check_cudnn_version())
+    module = importlib.import_module(CUDNN_MODULE)
+  except ImportError:
+    return None
+  return module if hasattr(module, "check_cudnn_version") else None
+
+
+def _installed_cudnn() -> int | None:
+  fused = _fused()
+  try:
+    return int(fused.check_cudnn_version()) if fused is not None else None
   except RuntimeError:  # "cuDNN is not detected": no [cuda] extra here
     return None
 
 
 def cudnn_source() -> str:
   """The cuDNN version cross-lowering uses, and whether it is installed or assumed."""
+  if _fused() is None:
+    return f"cuDNN's version not asked: this jax has no {CUDNN_MODULE}"
   got = _installed_cudnn()
   version = got if got is not None else ASSUMED_CUDNN
   text = f"cuDNN {version // 10000}.{version // 100 % 100}.{version % 100}"
@@ -51,8 +68,8 @@ def cudnn_source() -> str:
 @contextlib.contextmanager
 def cudnn_answered():
   """Inside: cuDNN's lowering is told a version even where no cuDNN is installed."""
-  from jax._src.cudnn import fused_attention_stablehlo as fused
-  if _installed_cudnn() is not None:
+  fused = _fused()
+  if fused is None or _installed_cudnn() is not None:
     yield
     return
   asked = fused.check_cudnn_version
