@@ -59,7 +59,6 @@ class Progress:
   state: str | None = None  # the phase last written
   flops: list = dataclasses.field(default_factory=list)  # model flops of a step, per stage
   peak: float | None = None  # the device's peak flop/s (MFU's denominator)
-  _status_at: float = 0.0
 
   @classmethod
   def begin(cls, slug: str, steps: int, status, passes) -> "Progress":
@@ -80,18 +79,18 @@ class Progress:
     return progress
 
   def set_status(self, state: str, step: int, force: bool = True) -> None:
-    """Writes the status file: at once when the phase changes, else at most once a second."""
-    now = time.time()
-    if not force and state == self.state and now - self._status_at < 1.0:
-      return
-    self._status_at, self.state = now, state
+    """Writes the status file: at once when the phase changes or `force`, else at most once
+    a second (the StatusFile's throttle)."""
     sps = eta = None
     if self.step_times:
       sps = 1.0 / max(statistics.median(self.step_times[-20:]), 1e-9)
       eta = (self.steps - step) / sps
-    self.status.write(dict(self.base, state=state, step=step, train_loss=self.train_loss,
-                           last_pass=dict(self.last_pass), counters=dict(self.counters),
-                           steps_per_second=sps, eta_seconds=eta))
+    changed, self.state = state != self.state, state
+    self.status.maybe_update(time.monotonic(), force=force or changed,
+                             **dict(self.base, state=state, step=step,
+                                    train_loss=self.train_loss, last_pass=dict(self.last_pass),
+                                    counters=dict(self.counters), steps_per_second=sps,
+                                    eta_seconds=eta))
 
   def failed(self, code: str, message: str) -> None:
     """The status `failed`, with the error's code and message."""
