@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.cli import doctor as cli_doctor
 from sexpgpu.devices import doctor
 
 NAMES = ["python", "jax", "jaxlib", "cuda plugin", "driver", "cudnn", "nvrtc", "cublas",
@@ -88,12 +89,12 @@ def test_unwritable_checkpoint_location_fails(tmp_path):
 def test_checkpoint_location_that_is_a_file_fails(tmp_path):
   f = tmp_path / "file"
   f.write_text("not a folder")
-  checks = doctor.check_checkpoints({"SEXPGPU_CHECKPOINT_DIR": str(f)})
+  checks = cli_doctor.check_checkpoints({"SEXPGPU_CHECKPOINT_DIR": str(f)})
   assert checks[-1].status == "fail" and "E-CKPT-004" in checks[-1].line()
 
 
 def test_s3_endpoint_that_does_not_answer_fails():
-  checks = doctor.check_checkpoints({"SEXPGPU_CHECKPOINT_DIR": "s3://bucket/runs",
+  checks = cli_doctor.check_checkpoints({"SEXPGPU_CHECKPOINT_DIR": "s3://bucket/runs",
                                      "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
   assert [c.status for c in checks] == ["fail"] and checks[0].name == "s3 endpoint"
 

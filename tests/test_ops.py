@@ -300,3 +300,20 @@ def test_random_calls_of_every_op_raise_only_placed_errors():
         graph_of(f"({op} {' '.join(args)} {' '.join(kws)})", ("x", "m", "idx", "img", "p"))
       except SxError as e:
         assert e.location is not None and e.fix
+
+
+@pytest.mark.parametrize("expr", ["(max-pool img :window 2)", "(avg-pool img :window 2)",
+                                  "(conv img ker :padding \"same\")", "(cumprod x :axis 1)",
+                                  "(get (top-k x :k 2) 0)", "(sort x)"])
+def test_gradients_under_jit_equal_the_eager_ones(expr):
+  names = tuple(n for n in ("x", "img", "ker") if f" {n}" in expr)
+  g = graph_of(expr, names)
+
+  def f(*xs):
+    return jnp.sum(jnp.sin(run_graph(g, {}, dict(zip(names, xs)), LowerCtx())["out"]))
+
+  xs = tuple(jnp.asarray(VALUES[n]) for n in names)
+  eager = jax.grad(f, argnums=tuple(range(len(xs))))(*xs)
+  jitted = jax.jit(jax.grad(f, argnums=tuple(range(len(xs)))))(*xs)
+  for a, b in zip(eager, jitted):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

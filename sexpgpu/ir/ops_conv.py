@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sexpgpu.ir.opdef import REQUIRED, Attr, register
 
@@ -86,7 +87,9 @@ def _pool(x, window, stride, padding, init, op):
   pad = _padding(padding, n, window, (1,) * n)
   if not isinstance(pad, str):
     pad = ((0, 0),) + pad + ((0, 0),)
-  return jax.lax.reduce_window(x, jnp.array(init, x.dtype), op, (1,) + window + (1,),
+  # the init a NumPy scalar, not a traced one: under jit JAX tells a max or a sum window
+  # (and so its gradient) only by a known init
+  return jax.lax.reduce_window(x, np.array(init, x.dtype), op, (1,) + window + (1,),
                                (1,) + stride + (1,), pad), window
 
 
