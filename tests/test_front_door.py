@@ -236,7 +236,9 @@ def test_closed_standard_error_is_no_crash(tmp_path):
   """`sexpgpu run ... 2>&1 | head -1`: the run goes on and ends `done`, checkpoint written."""
   status = tmp_path / "s.json"
   cmd = sexpgpu_cmd("run", TINY, "--variant", "smoke", "--steps", "30", "--eval-every", "10",
-                    "--status", str(status), "--checkpoint-dir", str(tmp_path / "ck"), "--json")
+                    "--status", str(status), "--checkpoint-dir", str(tmp_path / "ck"))
+  # (with --json the summary would be lost with the pipe: that is E-METRICS-001, exit 1,
+  # tests/test_json_summary.py)
   p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   first = p.stdout.readline()
   p.stdout.close()  # what `head -1` does after its line
@@ -259,3 +261,16 @@ def test_integer_knob_beyond_int32(capsys, value):
 def test_seed_may_be_64_bit(capsys):
   code, _, err = cli(capsys, "check", TINY, "--set", "seed=9223372036854775807")
   assert code == 0, err
+
+
+def test_a_shape_past_int32_is_refused_at_its_place_before_lowering():
+  from sexpgpu.errors import SxError
+  from sexpgpu.run.compile import compile_source
+  text = open(TINY, encoding="utf-8").read().replace(
+      "(transformer-lm tokens :vocab vocab :width width :layers layers :heads heads)",
+      "(let [h (transformer-lm tokens :vocab vocab :width width :layers layers :heads heads)]"
+      " (+ h (mean (matmul h (param huge [vocab 2147483648] :init zeros)))))")
+  with pytest.raises(SxError) as e:
+    compile_source(text, "tiny-lm.sx", base_dir=os.path.dirname(TINY))
+  assert e.value.code == "E-SHAPE-001" and "2147483648" in e.value.render()
+  assert e.value.location is not None

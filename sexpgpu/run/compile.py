@@ -12,7 +12,7 @@ import numpy as np
 from sexpgpu.data import LoaderSpec, make_loader
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.front.experiment import Experiment, LoaderDecl, evaluate
-from sexpgpu.ir.graph import Graph, Param
+from sexpgpu.ir.graph import Body, Graph, Param, type_str, walk
 from sexpgpu.ir.ops import dtype_name
 from sexpgpu.ir.printer import fingerprint, print_graph
 from sexpgpu.ir.rewrite import rewrite
@@ -108,6 +108,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
     fields[name] = {f: (dtype_name(dt), tuple(sh)) for f, (sh, dt) in ld.fields.items()}
   stages = _stages(program, selection, exp, fields, taps)
   for st in stages:
+    check_sizes(st.graph)
     check_vocabulary(st.graph, st.data, loaders[st.data], exp.loaders[st.data].location)
   patterns = os.environ.get("SEXPGPU_PATTERNS", "on") != "off"
   regions: list = []
@@ -123,6 +124,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
     for mname, fn in p.metrics:
       g, out = builder.build(f"{pname}/{mname}", fn, fields[p.data], allow_new_params=False)
       _check_scalar(out, f"metric {mname} of pass {pname}", p.loc, builder)
+      check_sizes(g)
       check_vocabulary(g, p.data, loaders[p.data], exp.loaders[p.data].location)
       graphs[mname] = rewrite(g, patterns)[0]
     passes[pname] = graphs
@@ -160,6 +162,41 @@ def _select_diagnostics(exp: Experiment, diagnostics: str | None) -> list[str]:
   return names
 
 
+# A tensor's extent and a repeat's count reach the step as int32; no tensor of ELEMENT_LIMIT
+# elements fits any device (XLA aborts the process on an extent product past int64).
+EXTENT_LIMIT = 2**31
+ELEMENT_LIMIT = 2**48
+
+
+def check_sizes(graph: Graph) -> None:
+  """Refuses a graph with an extent or a repeat count past int32, or a tensor past any
+  device, before anything is lowered or allocated (XLA would abort, JAX overflow).
+
+  Raises:
+    SxError: E-SHAPE-001 at the `.sx` place of the first such value.
+  """
+  todo, seen = list(graph.outputs.values()), set()
+  while todo:
+    for node in walk(todo):
+      seen.add(node.uid)
+      count = node.attr("n")
+      if node.op == "repeat" and isinstance(count, int) and count >= EXTENT_LIMIT:
+        raise SxError("E-SHAPE-001", f"a repeat of {count} times: more than the "
+                      f"{EXTENT_LIMIT - 1} a step can count", location=node.loc,
+                      fix="repeat fewer times (a layer count below 2^31)")
+      elements = 1
+      for d in node.shape:
+        elements *= int(d)
+      if any(int(d) >= EXTENT_LIMIT for d in node.shape) or elements >= ELEMENT_LIMIT:
+        raise SxError("E-SHAPE-001", f"a tensor of type {type_str(node.dtype, node.shape)} at {node.op}: "
+                      f"{elements} elements, an extent or a size no step can hold (extents "
+                      f"below 2^31, fewer than 2^48 elements)", location=node.loc,
+                      fix="give the sizes that make this shape (knobs, :width, :vocab) "
+                      "smaller values")
+    todo = [b.output for n in walk(todo) for _, b in n.attrs if isinstance(b, Body)
+            and b.output.uid not in seen]
+
+
 # Ops that move or reshape a batch's token ids without changing them.
 _SAME_IDS = ("slice", "reshape", "transpose", "cast")
 # op → (the input holding token ids, the input whose size bounds them, the axis of that size)
@@ -194,7 +231,8 @@ def check_vocabulary(graph: Graph, data: str, loader: Any, where: Any = None) ->
     ids, bound, axis = node.inputs[use[0]], node.inputs[use[1]], use[2]
     field = _field_of(ids)
     size = getattr(bound, "shape", ())
-    if field is None or not size or size[axis] >= vocab:
+    # a loader's vocabulary bounds its token ids, not its :segments or :positions
+    if field != "tokens" or not size or size[axis] >= vocab:
       continue
     what = (f"its embedding table has {size[axis]} rows" if node.op == "take"
             else f"its logits have {size[axis]} classes")
