@@ -231,3 +231,14 @@ def test_token_ids_of_a_file_that_is_no_tokenizer_is_e_tok_002(tmp_path):
   with pytest.raises(SxError) as e:
     token_ids(str(bad), 10)
   assert e.value.code == "E-TOK-002" and str(bad) in e.value.message
+
+
+def test_export_with_a_tokenizer_writes_its_end_of_text_id(trained, tmp_path):
+  path, step_dir = trained
+  tok_path, tok = _bpe(tmp_path)
+  out = str(tmp_path / "hf")
+  assert main(["export", path, "--resume", step_dir, "-o", out, "--format", "hf",
+               "--tokenizer", tok_path]) == 0
+  cfg = json.load(open(os.path.join(out, "config.json")))
+  eos = tok.token_to_id("<|endoftext|>")
+  assert eos < 40 and cfg["eos_token_id"] == cfg["bos_token_id"] == eos

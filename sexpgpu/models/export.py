@@ -61,6 +61,8 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
     tensors = twin.to_twin(g, params)
     os.makedirs(out, exist_ok=True)
     config = dict(g.config)
+    if tokenizer:  # the ids of the tokenizer's own begin/end tokens, never a guess
+      config.update(twin.token_ids(tokenizer, config["vocab_size"]))
     config["sexpgpu"] = {k: v for k, v in _metadata(c, meta).items() if k != "format"}
     written = [os.path.join(out, "config.json"), os.path.join(out, "model.safetensors")]
     with open(written[0], "w") as f:
