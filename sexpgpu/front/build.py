@@ -9,7 +9,7 @@ from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.values import Batch, Builtin, Closure, Env, ParamRef, Spec
 from sexpgpu.ir.graph import Body, Graph, Init, Node, Param, type_str
 from sexpgpu.ir.shapes import ShapeRuleError, infer, literal_type
-from sexpgpu.lang.program import split_keywords
+from sexpgpu.lang.program import split_keywords, std_libraries_of
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
 
 SPECIAL_FORMS = ("let", "if", "fn", "repeat", "param", "tap", "get", "or", "and", "not", "do")
@@ -57,8 +57,10 @@ class Builder:
     selected_taps: names of taps a selected diagnostic reads.
   """
 
-  def __init__(self, globals_env: Env, selected_taps: set[str] = frozenset()):
+  def __init__(self, globals_env: Env, selected_taps: set[str] = frozenset(),
+               knob_locs: dict[str, Loc] | None = None):
     self.globals = globals_env
+    self.knob_locs = dict(knob_locs or {})
     self.params: dict[str, Param] = {}
     self.selected_taps = set(selected_taps)
     self._reset()
@@ -122,10 +124,14 @@ class Builder:
     try:
       v = env.lookup(name)
     except KeyError:
+      libs = std_libraries_of(name)
+      if libs:  # a nearby spelling would hide the require that brings the name
+        fix = " or ".join(f"(require {lib})" for lib in libs) + f" brings `{name}`"
+      else:
+        fix = (did_you_mean(name, env.names() | set(SPECIAL_FORMS))
+               or "define it with def, defn or let, or require the library that has it")
       raise SxError("E-NAME-001", f"`{name}` is not defined", location=form.loc,
-                    fix=did_you_mean(name, env.names() | set(SPECIAL_FORMS))
-                    or "define it with def, defn or let, or require the library that has it"
-                    ) from None
+                    fix=fix) from None
     if isinstance(v, ParamRef):
       return self.param_node(v.name, v.shape, v.init, v.dtype, form.loc, shared=True)
     return v
@@ -153,6 +159,8 @@ class Builder:
       return fn.fn(self, call)
     if not isinstance(fn, Closure):
       loc = call.form.items[0].loc if call else None
+      if call is not None:
+        self._check_hidden_primitive(call.name, fn, loc)
       raise SxError("E-TYPE-001", f"`{call.name if call else fn}` is not a function "
                     f"(it is {describe(fn)})", location=loc, fix="call a defn, fn or primitive")
     as_form = kw.pop("as", None)
@@ -181,6 +189,24 @@ class Builder:
     finally:
       self.scope.pop()
       self.chain.pop()
+
+  def _check_hidden_primitive(self, name: str, value: Any, call_loc: Loc | None) -> None:
+    """Raises E-NAME-002 when a knob or def named like a primitive is called.
+
+    Every file shares one top level, so `(defknob top-k 2)` hides the primitive `top-k` from
+    the standard library's calls too; the fix belongs at the knob, not at the call.
+    """
+    if name not in self.globals.vars or self.globals.vars[name] is not value:
+      return
+    env = self.globals.parent
+    while env is not None and name not in env.vars:
+      env = env.parent
+    if env is None or not isinstance(env.vars[name], (Builtin, Closure)):
+      return
+    what = "knob" if name in self.knob_locs else "def"
+    raise SxError("E-NAME-002", f"the {what} `{name}` hides the primitive `{name}`, which "
+                  f"is called at {call_loc}", location=self.knob_locs.get(name, call_loc),
+                  fix=f"rename the {what}: a top-level name must not be a primitive's")
 
   def _bind(self, fn: Closure, args: list, kw: dict, call: Call | None) -> Env:
     where = call.loc if call else fn.loc

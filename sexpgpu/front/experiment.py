@@ -21,7 +21,7 @@ from sexpgpu.reader.forms import head_symbol
 # Each loader kind's keywords, read from the loaders' own tables (sexpgpu.data.KINDS).
 LOADER_KINDS = {kind: loader_keywords(kind) for kind in LOADER_CLASSES}
 # Loader keywords whose symbol is a name, not a variable: `:pack docs`, `:dtype u16`.
-NAME_KEYWORDS = ("pack", "dtype")
+NAME_KEYWORDS = tuple(sorted({k for c in LOADER_CLASSES.values() for k in c.arg_table.choices}))
 DIAG_KINDS = ("grad-norm", "param-norm", "update-ratio", "tap")
 REDUCERS = ("mean", "max", "min", "sum", "rms")
 
@@ -110,7 +110,8 @@ class Experiment:
   run_loc: Loc
 
   def builder(self, selected_taps=frozenset()) -> Builder:
-    return Builder(self.env, selected_taps)
+    return Builder(self.env, selected_taps,
+                   {k: d.loc for k, d in self.program.knobs.items()})
 
 
 def global_env(knobs: dict[str, Any]) -> Env:
@@ -129,7 +130,7 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
   env = global_env({k: v for k, v in knobs.items() if k in program.knobs})
   for display, (path, loc) in program.python.items():
     env.parent.vars.update(pyops.load(display, path, program.sources[display], loc))
-  b = Builder(env)
+  b = Builder(env, knob_locs={k: d.loc for k, d in program.knobs.items()})
   loaders: dict[str, LoaderDecl] = {}
   passes: dict[str, PassDecl] = {}
   samples: dict[str, SampleDecl] = {}
