@@ -229,3 +229,34 @@ def test_parquet_without_the_column_and_bad_tokenizers_are_coded(tmp_path):
     tokenize(Options(tuple(SHIPPED[:1]), str(tmp_path / "c"), tokenizer=_tokenizer_file(tmp_path),
                      eos="</s>"), progress=False)
   assert e.value.code == "E-TOK-002" and "'</s>'" in str(e.value)
+
+
+def test_files_without_a_known_extension_are_text_or_taken_as_told(tmp_path):
+  src = tmp_path / "src"
+  src.mkdir()
+  (src / "README").write_text("A readme, one document.\n\nStill the same one.\n")
+  (src / "notes.md").write_text("# Notes\n\nMarkdown is text.\n")
+  (src / "guide.rst").write_text("Guide\n=====\n\nSo is reStructuredText.\n")
+  (src / "lines.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+  (src / "server.log").write_text("a log, text too, but only when told\n")
+  tok = _tokenizer_file(tmp_path)
+  named = tuple(str(src / n) for n in ("README", "notes.md", "guide.rst", "lines.jsonl"))
+  summary = tokenize(Options(named, str(tmp_path / "c"), tokenizer=tok), progress=False)
+  assert summary.documents == 3 + 2
+  assert summary.taken == {"text": ["README", "notes.md", "guide.rst"], "jsonl": ["lines.jsonl"]}
+  assert "3 as text (README, notes.md, guide.rst), 1 as jsonl (lines.jsonl)" in summary.line("c")
+  with pytest.raises(SxError) as e:
+    tokenize(Options((str(src / "server.log"),), str(tmp_path / "d"), tokenizer=tok),
+             progress=False)
+  assert e.value.code == "E-TOK-001" and "server.log" in str(e.value) and "--as text" in e.value.fix
+  # --as text reads every file as one document, whatever its name: the folder gives all five.
+  r = subprocess.run(sexpgpu_cmd("tokenize", str(src), "-o", str(tmp_path / "e"), "--tokenizer",
+                                 tok, "--as", "text"),
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert "5 as text (README, guide.rst, lines.jsonl, +2 more)" in r.stderr, r.stderr
+  assert textcache.read_manifest(str(tmp_path / "e"))["documents"] == 5
+  # The reader is part of a source's entry: reading the same file another way redoes it.
+  again = tokenize(Options((str(src / "lines.jsonl"),), str(tmp_path / "e"), tokenizer=tok,
+                           as_="jsonl"), progress=False)
+  assert again.skipped == 0 and again.documents == 2

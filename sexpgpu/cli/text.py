@@ -21,6 +21,9 @@ def _tokenize_flags() -> flags.FlagValues:
   flags.DEFINE_string("field", "text", "the text field of .jsonl lines and .parquet columns",
                       flag_values=fv)
   flags.DEFINE_string("eos", "<|endoftext|>", "the end-of-document token", flag_values=fv)
+  flags.DEFINE_enum("as", None, ["text", "jsonl", "parquet"],
+                    "read every source as this (default: by extension; .txt, .md, .rst and "
+                    "files without one are text)", flag_values=fv)
   flags.DEFINE_integer("workers", None, "tokenizer threads (default: all cores)", lower_bound=1,
                        flag_values=fv)
   return fv
@@ -36,7 +39,8 @@ def cmd_tokenize(argv: list[str]) -> int:
                   where="the command line",
                   fix="sexpgpu tokenize configs/data/*.txt -o cache/ --train-bpe 2048")
   opts = Options(sources=tuple(rest), output=fv.output, train_bpe=fv.train_bpe,
-                 tokenizer=fv.tokenizer, field=fv.field, eos=fv.eos, workers=fv.workers)
+                 tokenizer=fv.tokenizer, field=fv.field, eos=fv.eos, workers=fv.workers,
+                 as_=fv["as"].value)
   summary = tokenize(opts)
   sys.stderr.write(summary.line(fv.output) + "\n")
   return 0

@@ -13,20 +13,27 @@ from sexpgpu.data.remote import is_remote
 from sexpgpu.data.spec import redact
 from sexpgpu.errors import SxError
 
-EXTENSIONS = (".txt", ".jsonl", ".parquet")
+# How a file is read, by its extension: "text" is one document a file, "jsonl" one a line,
+# "parquet" one a row. A file without an extension (README, COPYING) is text.
+READERS = {".txt": "text", ".md": "text", ".rst": "text", "": "text", ".jsonl": "jsonl",
+           ".parquet": "parquet"}
+AS = ("text", "jsonl", "parquet")
+EXTENSIONS = tuple(e for e in READERS if e)
 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-  """One source file: where it is (local path or URI) and its stamp."""
+  """One source file: where it is (local path or URI), its stamp, and how it is read."""
 
   uri: str
   size: int
   mtime: str
+  reader: str = ""
 
   @property
   def kind(self) -> str:
-    return os.path.splitext(self.uri)[1].lower()
+    """The file's extension, lower case ("" for none)."""
+    return os.path.splitext(os.path.basename(self.uri))[1].lower()
 
 
 def tok_error(source: str, message: str, fix: str, line: int | None = None) -> SxError:
@@ -48,30 +55,49 @@ def remote_fs(uri: str):
                     "install s3fs or gcsfs, and write s3://bucket/prefix") from None
 
 
-def expand(patterns: tuple[str, ...]) -> list[Source]:
+def expand(patterns: tuple[str, ...], as_: str | None = None) -> list[Source]:
   """The source files named by files, globs, folders and remote prefixes, each once, in order.
+
+  Args:
+    patterns: files, globs, folders or s3:// / gs:// prefixes.
+    as_: "text", "jsonl" or "parquet" to read every file so whatever its name
+      (a folder then gives all its files), or None to go by extension: .txt,
+      .md, .rst and files without one are text.
+
+  Returns:
+    The sources, each with the reader it is read by.
 
   Raises:
     SxError: E-TOK-001 when a pattern names nothing, or names a file of another kind.
   """
   out: dict[str, Source] = {}
   for pattern in patterns:
-    found = _expand_remote(pattern) if is_remote(pattern) else _expand_local(pattern)
+    found = (_expand_remote(pattern, as_) if is_remote(pattern)
+             else _expand_local(pattern, as_))
     if not found:
       raise tok_error(pattern, "no source files here (an empty glob, folder or prefix)",
-                      f"give .txt, .jsonl or .parquet files; {pattern} matched none")
+                      f"give .txt, .md, .jsonl or .parquet files; {pattern} matched none")
     for s in found:
-      if s.kind not in EXTENSIONS:
-        raise tok_error(s.uri, f"a {s.kind or 'extensionless'} file is no text source",
-                        "give .txt (a document a file), .jsonl (a document a line) or .parquet")
-      out.setdefault(s.uri, s)
+      reader = as_ or READERS.get(s.kind)
+      if reader is None:
+        raise tok_error(s.uri, f"a {s.kind} file is no text source known by its name",
+                        "pass --as text (a document a file), --as jsonl (a document a line) "
+                        "or --as parquet to say how to read it")
+      out.setdefault(s.uri, dataclasses.replace(s, reader=reader))
   return list(out.values())
 
 
-def _expand_local(pattern: str) -> list[Source]:
+def _walked(name: str, as_: str | None) -> bool:
+  """Whether a folder's file is a source: any visible one with --as, else a known extension."""
+  if as_ is not None:
+    return not name.startswith(".")
+  return name.lower().endswith(EXTENSIONS)
+
+
+def _expand_local(pattern: str, as_: str | None) -> list[Source]:
   if os.path.isdir(pattern):
     paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(pattern) for f in fs
-                   if f.lower().endswith(EXTENSIONS))
+                   if _walked(f, as_))
   elif glob.has_magic(pattern):
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   elif os.path.isfile(pattern):
@@ -85,7 +111,7 @@ def _expand_local(pattern: str) -> list[Source]:
   return out
 
 
-def _expand_remote(pattern: str) -> list[Source]:
+def _expand_remote(pattern: str, as_: str | None) -> list[Source]:
   fs, path = remote_fs(pattern)
   scheme = pattern.split("://", 1)[0]
   try:
@@ -102,7 +128,7 @@ def _expand_remote(pattern: str) -> list[Source]:
   out = []
   for p in sorted(infos):
     info = infos[p]
-    if info.get("type") == "directory" or (not p.lower().endswith(EXTENSIONS)
+    if info.get("type") == "directory" or (not _walked(p.rsplit("/", 1)[-1], as_)
                                             and fs.isdir(path)):
       continue
     stamp = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
@@ -128,7 +154,7 @@ def read_bytes(source: Source) -> bytes:
 
 
 def documents(source: Source, data: bytes, field: str) -> list[str]:
-  """The documents of one source: a .txt file is one, a .jsonl line one, a .parquet row one.
+  """The documents of one source: a text file is one, a .jsonl line one, a .parquet row one.
 
   Raises:
     SxError: E-TOK-001 for an empty or binary file, a .jsonl line that is not
@@ -137,10 +163,11 @@ def documents(source: Source, data: bytes, field: str) -> list[str]:
   if not data:
     raise tok_error(source.uri, "the file is empty: no documents",
                     "remove it from the sources, or give it text")
-  if source.kind == ".parquet":
+  reader = source.reader or READERS.get(source.kind, "text")
+  if reader == "parquet":
     return _parquet_documents(source, data, field)
   text = _text(source, data)
-  if source.kind == ".txt":
+  if reader == "text":
     return [text]
   docs = []
   for n, line in enumerate(text.split("\n"), 1):

@@ -35,6 +35,8 @@ class Options:
     field: the document field of .jsonl lines and .parquet columns.
     eos: the end-of-document token.
     workers: tokenizer threads, or None for all cores.
+    as_: "text", "jsonl" or "parquet": how to read every source, or None to go
+      by extension (.txt, .md, .rst and files without one are text).
   """
 
   sources: tuple[str, ...]
@@ -44,6 +46,7 @@ class Options:
   field: str = "text"
   eos: str = "<|endoftext|>"
   workers: int | None = None
+  as_: str | None = None
 
 
 @dataclasses.dataclass
@@ -56,15 +59,24 @@ class Summary:
   tokens: int = 0
   bytes: int = 0
   seconds: float = 0.0
+  taken: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
   def line(self, output: str) -> str:
     """The one summary line printed when standard error is no terminal."""
     mb = self.bytes / 1e6
     n = lambda k, what: f"{k} {what}{'' if k == 1 else 's'}"
     return (f"tokenize: {redact(output)}: {n(self.sources, 'source')} ({self.skipped} already in "
-            f"the cache), {n(self.documents, 'document')}, {n(self.tokens, 'token')}, "
-            f"{mb:.2f} MB in "
+            f"the cache), {self.taken_as()}, {n(self.documents, 'document')}, "
+            f"{n(self.tokens, 'token')}, {mb:.2f} MB in "
             f"{self.seconds:.2f} s ({mb / max(self.seconds, 1e-9):.1f} MB/s)")
+
+  def taken_as(self) -> str:
+    """What each source was read as: `2 as text (README, notes.md), 1 as jsonl (a.jsonl)`."""
+    parts = []
+    for reader, names in self.taken.items():
+      shown = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
+      parts.append(f"{len(names)} as {reader} ({shown})")
+    return ", ".join(parts) or "none read"
 
 
 # --- tokenizer --------------------------------------------------------------------------------
@@ -281,7 +293,7 @@ def tokenize(opts: Options, progress: bool | None = None,
   _check_options(opts)
   if opts.workers:
     os.environ["RAYON_NUM_THREADS"] = str(opts.workers)
-  sources = expand(opts.sources)
+  sources = expand(opts.sources, opts.as_)
   store = _Store(opts.output)
   old = store.manifest()
   reader = _Reader(sources)
@@ -289,6 +301,8 @@ def tokenize(opts: Options, progress: bool | None = None,
   dtype = np.dtype(manifest["dtype"])
   kept = {e["shard"]: e for e in old.get("shards", [])} if _same_cache(old, manifest) else {}
   summary = Summary()
+  for s in sources:
+    summary.taken.setdefault(s.reader, []).append(os.path.basename(s.uri.rstrip("/")))
   bar = _Progress(sum(s.size for s in sources), len(sources),
                   sys.stderr.isatty() if progress is None else progress)
   try:
@@ -322,7 +336,7 @@ def tokenize(opts: Options, progress: bool | None = None,
 
 def _entry(index: int, source: Source, sha: str) -> dict[str, Any]:
   return {"shard": textcache.shard_name(index), "source": redact(source.uri),
-          "size": source.size, "mtime": source.mtime, "sha256": sha}
+          "size": source.size, "mtime": source.mtime, "sha256": sha, "as": source.reader}
 
 
 def _start(opts: Options, sources: list[Source], reader: _Reader, old: dict[str, Any],
