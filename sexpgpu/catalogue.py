@@ -99,6 +99,8 @@ _ENTRIES = (
           "install an NVIDIA driver of the 580 series or newer"),
     Entry("E-MEM-001", "the plan does not fit",
           "lower :batch or the sequence length, use more :microbatches, or a larger card"),
+    Entry("E-MEM-002", "a GPU reports no memory statistics, so the plan has nothing to plan "
+          "against", "set SEXPGPU_MEMORY to what the run may use of one GPU"),
     # several GPUs and nodes: the seed's Devices page, word for word
     Entry("E-DP-001",
           "SEXPGPU_DEVICES does not parse, repeats an ordinal, names one that is not visible, "

@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import glob
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -87,22 +88,107 @@ def _plugin() -> str | None:
   return None
 
 
+# The plugin's own libraries (jax_plugins.xla_cuda13 loads them before it registers): one
+# that does not load leaves JAX with no cuda backend and only a log line saying why.
+PLUGIN_LIBS = ("libcudart", "libnvrtc", "libcublas", "libcublasLt", "libcusparse",
+               "libcusolver", "libcufft", "libcupti", "libnccl", "libcudnn")
+# Where a CUDA device's driver shows itself; JAX does not even try CUDA without one of them
+DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
+FIX_LIBRARY = ('pip install --force-reinstall "sexpgpu[cuda]" (its nvidia-* wheels carry the '
+               "CUDA libraries; a system copy on LD_LIBRARY_PATH can shadow them)")
+FIX_VISIBLE = ("check CUDA_VISIBLE_DEVICES against `nvidia-smi -L` (indices, GPU-… or MIG-… "
+               "UUIDs) and that the container was started with its GPUs")
+FIX_BUSY = ("stop the other processes on the GPU (`nvidia-smi` lists them) or lower "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+# Why a CUDA backend did not start, read from JAX's error and the plugin's log: (pattern,
+# cause, fix), the first that matches wins. `{1}` in a cause is the pattern's group.
+PLUGIN_FAILURES = (
+    (r"Unable to load (\w+)", "the CUDA library {1} cannot be loaded", FIX_LIBRARY),
+    (r"Outdated (\w+) installation", "{1} is older than the one JAX was built against",
+     FIX_LIBRARY),
+    (r"CUDA_ERROR_INSUFFICIENT_DRIVER|driver version is insufficient|DRIVER_MISMATCH|"
+     r"CUDA_ERROR_COMPAT_NOT_SUPPORTED|CUDA_ERROR_NO_BINARY_FOR_GPU",
+     "the NVIDIA driver is too old for the plugin's CUDA", FIX_DRIVER),
+    (r"CUDA_ERROR_NO_DEVICE|no CUDA-capable device|CUDA_ERROR_INVALID_DEVICE",
+     "CUDA finds no GPU", FIX_VISIBLE),
+    (r"CUDA_ERROR_OUT_OF_MEMORY|out of memory|no supported devices found for platform CUDA",
+     "the GPU's memory is taken", FIX_BUSY),
+    (r"CUDA_ERROR_NOT_INITIALIZED|CUDA_ERROR_OPERATING_SYSTEM|CUDA_ERROR_UNKNOWN|cuInit",
+     "the driver did not start CUDA", FIX_DRIVER),
+)
+
+
+def plugin_failure(text: str, device_nodes: bool, missing: list[str]) -> tuple[str, str]:
+  """The cause and the fix of a CUDA backend that did not start.
+
+  Args:
+    text: JAX's error and the warnings the plugin logged while starting.
+    device_nodes: whether an NVIDIA device node (/dev/nvidiactl, ...) exists.
+    missing: the plugin's CUDA libraries that do not load.
+
+  Returns:
+    (cause, fix): from PLUGIN_FAILURES; else no device node means no driver (or a
+    container without its GPUs); else a library that does not load is named; else
+    JAX's own log is where the reason is.
+  """
+  for pattern, cause, fix in PLUGIN_FAILURES:
+    m = re.search(pattern, text)
+    if m:
+      return cause.replace("{1}", m.group(1) if m.groups() else ""), fix
+  if not device_nodes:
+    return ("no NVIDIA device node (" + ", ".join(DEVICE_NODES[:2]) + "): the driver is not "
+            "loaded or the container was started without its GPUs",
+            FIX_DRIVER + "; in a container, start it with its GPUs (docker run --gpus all)")
+  if missing:
+    return f"the CUDA libraries {', '.join(missing)} cannot be loaded", FIX_LIBRARY
+  return ("the plugin did not register, and said no more",
+          "TF_CPP_MIN_LOG_LEVEL=0 sexpgpu doctor --device cuda shows JAX's log")
+
+
+class _Logged(logging.Handler):
+  """The warnings JAX and its CUDA plugin log while the backend starts."""
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.lines: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      self.lines.append(record.getMessage())
+    except Exception:  # pylint: disable=broad-except  (a malformed record says nothing)
+      pass
+
+
+def _start_cuda() -> tuple[int, None] | tuple[None, str]:
+  """(cuda devices, None), or (None, JAX's error and the plugin's warnings)."""
+  import jax
+  logged = _Logged()
+  loggers = [logging.getLogger(n) for n in ("jax_plugins", "jax._src.xla_bridge")]
+  for lg in loggers:
+    lg.addHandler(logged)
+  try:
+    return len(jax.devices("cuda")), None
+  except RuntimeError as e:
+    return None, "\n".join([str(e), *logged.lines])
+  finally:
+    for lg in loggers:
+      lg.removeHandler(logged)
+
+
 def check_plugin(device: str) -> Check:
   name = _plugin()
   if name is None:
     return _gpu_missing(device, "cuda plugin", "jax_cuda13 plugin not installed", FIX_PLUGIN)
-  try:
-    import jax
-    n = len(jax.devices("cuda"))
-  except RuntimeError as e:
+  n, text = _start_cuda()
+  if n is None:
+    missing = [stem for stem in PLUGIN_LIBS if _load(stem)[0] is None]
+    cause, fix = plugin_failure(text, any(os.path.exists(d) for d in DEVICE_NODES), missing)
+    first = (text.strip().splitlines() or ["no error text"])[0][:200]
     return Check("fail" if device == "cuda" else "warn", "cuda plugin",
-                 f"{name} installed, but the cuda backend does not start ({_first_line(e)})",
-                 FIX_DRIVER)
+                 f"{name} installed, but the cuda backend does not start: {cause} ({first})",
+                 fix)
   return Check("ok", "cuda plugin", f"{name}, {n} cuda devices")
-
-
-def _first_line(e: BaseException) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def driver_version() -> str | None:
@@ -140,37 +226,118 @@ def _smi(args: list[str]) -> list[str] | None:
   return [ln for ln in p.stdout.splitlines() if ln.strip()] if p.returncode == 0 else None
 
 
-def gpus() -> list[tuple[str, str, str]]:
-  """(name, compute capability, memory) of each visible GPU, from nvidia-smi."""
-  rows = _smi(["--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader"]) or []
-  out = []
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  """A card, or a MIG slice of one, as nvidia-smi lists it."""
+
+  uuid: str     # GPU-…, or MIG-… for a slice
+  name: str     # the card's name; a slice's adds its profile ("… MIG 1g.10gb")
+  cc: str       # compute capability, "9.0"
+  memory: str   # "81559 MiB", or a slice's profile memory ("10gb")
+  index: int    # nvidia-smi's index of the card (a slice's: its card's)
+
+
+def smi_devices() -> tuple[list[Gpu], list[Gpu]] | None:
+  """Every card and every MIG slice nvidia-smi lists (CUDA_VISIBLE_DEVICES aside), or None
+  where nvidia-smi is missing or fails."""
+  rows = _smi(["--query-gpu=index,uuid,name,compute_cap,memory.total",
+               "--format=csv,noheader"])
+  if rows is None:
+    return None
+  cards = []
   for row in rows:
     parts = [p.strip() for p in row.split(",")]
-    if len(parts) >= 3:
-      out.append((parts[0], parts[1], parts[2]))
-  cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-  if cvd is not None:
-    keep = [int(p) for p in cvd.split(",") if p.strip().isdigit()]
-    out = [out[i] for i in keep if i < len(out)]
+    if len(parts) >= 5 and parts[0].isdigit():
+      cards.append(Gpu(parts[1], parts[2], parts[3], parts[4], int(parts[0])))
+  slices, card = [], None
+  for ln in _smi(["-L"]) or []:
+    m = re.match(r"\s*GPU (\d+):", ln)
+    if m:
+      card = next((c for c in cards if c.index == int(m.group(1))), None)
+      continue
+    m = re.match(r"\s*MIG ([\w.+]+)\s+Device\s+\d+: \(UUID: ([^)]+)\)", ln)
+    if m and card is not None:
+      mem = re.search(r"\d+gb$", m.group(1))
+      slices.append(Gpu(m.group(2).strip(), f"{card.name} MIG {m.group(1)}", card.cc,
+                        mem.group(0) if mem else card.memory, card.index))
+  return cards, slices
+
+
+def visible(cards: list[Gpu], slices: list[Gpu], cvd: str | None) -> list[Gpu]:
+  """The devices a CUDA process sees under CUDA_VISIBLE_DEVICES, in its order.
+
+  CUDA reads the list as far as its first entry that names no device: an index, a GPU-
+  UUID or a MIG- UUID, each UUID possibly shortened to a prefix that only one device has.
+  Unset, every card is visible; "" or "-1" hides them all.
+  """
+  if cvd is None:
+    return list(cards)
+  out: list[Gpu] = []
+  for entry in (e.strip() for e in cvd.split(",")):
+    if entry.isdigit():
+      hits = [c for c in cards if c.index == int(entry)]
+    elif entry.startswith("GPU-"):
+      hits = [c for c in cards if c.uuid.startswith(entry)]
+    elif entry.startswith("MIG-"):
+      hits = [g for g in slices if g.uuid.startswith(entry)]
+    else:
+      hits = []
+    if len(hits) != 1:
+      break
+    if hits[0] not in out:
+      out.append(hits[0])
   return out
+
+
+def gpus() -> list[Gpu]:
+  """The GPUs (or MIG slices) this process's CUDA sees: nvidia-smi's, through
+  CUDA_VISIBLE_DEVICES."""
+  found = smi_devices()
+  if found is None:
+    return []
+  return visible(*found, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def gpu_count() -> int:
+  """How many GPUs this process's CUDA sees; without nvidia-smi, the entries of
+  CUDA_VISIBLE_DEVICES before its first that is not an index or a UUID."""
+  found = smi_devices()
+  cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if found is not None:
+    return len(visible(*found, cvd))
+  n = 0
+  for entry in (e.strip() for e in (cvd or "").split(",")):
+    if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+      break
+    n += 1
+  return n
 
 
 def check_gpus(device: str) -> list[Check]:
   found = gpus()
+  cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
   if not found:
-    return [_gpu_missing(device, "gpu", "no GPU visible", "check the driver and "
-                         "CUDA_VISIBLE_DEVICES")]
+    where = f"no GPU visible under CUDA_VISIBLE_DEVICES={cvd}" if cvd is not None else \
+        "no GPU visible"
+    return [_gpu_missing(device, "gpu", where, "check the driver and CUDA_VISIBLE_DEVICES "
+                         "(indices, or UUIDs as `nvidia-smi -L` prints them)")]
   out = []
-  for i, (name, cc, mem) in enumerate(found):
+  for i, g in enumerate(found):
     try:
-      major, minor = (int(x) for x in cc.split("."))
+      major, minor = (int(x) for x in g.cc.split("."))
     except ValueError:
       major, minor = 0, 0
+    detail = f"{g.name}, compute capability {g.cc}, {g.memory}"
     if (major, minor) < MIN_CC:
-      out.append(Check("fail", f"gpu {i}", f"{name}, compute capability {cc}, {mem}",
-                       f"the {name} is below compute capability 8.0 (A100, L4, H100 or newer)"))
+      out.append(Check("fail", f"gpu {i}", detail,
+                       f"the {g.name} is below compute capability 8.0 (A100, L4, H100 or newer)"))
     else:
-      out.append(Check("ok", f"gpu {i}", f"{name}, compute capability {cc}, {mem}"))
+      out.append(Check("ok", f"gpu {i}", detail))
+  slices = sum(g.uuid.startswith("MIG-") for g in found)
+  if slices > 1:
+    out.append(Check("warn", "mig", f"{slices} MIG slices listed; CUDA may enumerate only "
+                     "the first MIG slice in one process (NVIDIA's MIG user guide): one "
+                     "slice a run"))
   return out
 
 
@@ -223,7 +390,7 @@ def check_lib(device: str, name: str, stem: str) -> Check:
 
 def check_devices(device: str, environ: Mapping[str, str]) -> Check:
   value = environ.get("SEXPGPU_DEVICES")
-  visible = len(gpus()) if device == "cuda" else denv.cpu_visible(environ)
+  visible = gpu_count() if device == "cuda" else denv.cpu_visible(environ)
   if device == "cuda" or value:
     try:
       got = denv.parse_devices(value, visible, device)

@@ -222,7 +222,9 @@ def free_bytes_of(device, memory_env: str | None) -> int:
     bytes_in_use; else, on cpu, the machine's available memory.
 
   Raises:
-    SxError: E-ENV-001 when SEXPGPU_MEMORY does not parse.
+    SxError: E-ENV-001 when SEXPGPU_MEMORY does not parse; E-MEM-002 when a GPU reports
+      no memory statistics (its memory is not the host's, and no plan is made against a
+      guess).
   """
   from sexpgpu.devices.env import parse_memory
   if memory_env not in (None, ""):
@@ -234,6 +236,14 @@ def free_bytes_of(device, memory_env: str | None) -> int:
     stats = None
   if stats and "bytes_limit" in stats:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  if getattr(device, "platform", "cpu") != "cpu":
+    kind = getattr(device, "device_kind", "") or getattr(device, "platform", "the device")
+    raise SxError("E-MEM-002", f"{kind} (device {getattr(device, 'id', 0)}) reports no memory "
+                  "statistics (no bytes_limit), so the memory plan has nothing to plan "
+                  "against", where="the memory plan",
+                  fix="set SEXPGPU_MEMORY to what the run may use of one GPU, e.g. "
+                  "SEXPGPU_MEMORY=60GiB on an 80 GB card (XLA takes 75% of it by default, "
+                  "XLA_PYTHON_CLIENT_MEM_FRACTION)")
   return _host_available()
 
 

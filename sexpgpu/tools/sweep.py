@@ -225,11 +225,9 @@ def device_shares(opts: SweepOptions) -> list[str | None]:
 
 
 def _gpu_count() -> int:
-  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None:
-    return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
-  from sexpgpu.devices.doctor import gpus  # the one reading of nvidia-smi
-  return len(gpus())
+  # the one reading of nvidia-smi and CUDA_VISIBLE_DEVICES (indices, GPU-/MIG- UUIDs)
+  from sexpgpu.devices.doctor import gpu_count
+  return gpu_count()
 
 
 class _Child:
