@@ -126,3 +126,36 @@ def test_plot_cli(tmp_path):
                      text=True, timeout=60)
   assert r.returncode == 1 and "error[E-METRICS-001]" in r.stderr
   assert not os.path.exists(tmp_path / "d.png")
+
+
+def test_watch_to_a_pipe_writes_a_line_an_update_as_it_comes(tmp_path):
+  path = tmp_path / "s.json"
+  sf = StatusFile(str(path))
+  sf.write(_status(10, "running", eta_seconds=80.4))
+  p = subprocess.Popen(sexpgpu_cmd("watch", str(path), "--interval", "0.05"), cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  guard = threading.Timer(60, p.kill)  # a watcher that never writes fails the test, not hangs it
+  guard.start()
+  try:
+    # Each line is read while the run is still going: nothing waits for the end.
+    assert p.stdout.readline() == "step 10/40 loss 2.75 eval/loss 2.5000 eta 1m20s\n"
+    sf.write(_status(20, "running", eta_seconds=3725))
+    assert p.stdout.readline() == "step 20/40 loss 2.5 eval/loss 2.5000 eta 1h02m\n"
+    assert p.poll() is None
+    sf.write(_status(40, "done", eta_seconds=0))
+    rest = p.stdout.read().splitlines()
+    assert rest == ["step 40/40 loss 2 eval/loss 2.5000 eta 0s done",
+                    "done: tiny-lm-smoke step 40/40, train/loss 2.0000, eval/loss 2.5000"]
+    assert p.wait(timeout=30) == 0
+  finally:
+    guard.cancel()
+    p.kill()
+    p.wait()
+
+
+def test_watch_bar_in_a_terminal_counts_steps(tmp_path):
+  path = tmp_path / "s.json"
+  StatusFile(str(path)).write(_status(40, "done"))
+  console = Console(record=True, width=200, file=io.StringIO(), force_terminal=True)
+  assert watch(str(path), interval=0.01, console=console, timeout=5) == 0
+  assert "step 40/40" in console.export_text()
