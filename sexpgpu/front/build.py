@@ -512,6 +512,10 @@ def describe(v: Any) -> str:
     return "a batch"
   if isinstance(v, str):
     return f'the string "{v}"'
+  if isinstance(v, Init):
+    return f"the initializer {v}"
+  if isinstance(v, Spec):
+    return f"the {v.kind} {v.name}"
   return type(v).__name__
 
 
