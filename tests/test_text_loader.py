@@ -54,8 +54,8 @@ def loader(folder, run_seed=0, shuffle_default=True, **args):
   return make_loader(spec, seed=run_seed, shuffle_default=shuffle_default)
 
 
-def _epoch(ld):
-  rows = ld.take(0, ld.records)
+def _epoch(ld, epoch=0):
+  rows = ld.take(epoch * ld.records, ld.records)
   return rows["tokens"], rows["segments"], rows["positions"]
 
 
@@ -63,15 +63,17 @@ def _epoch(ld):
 @given(shards=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=8), min_size=1,
                        max_size=3),
        seq=st.integers(1, 24), pack=st.sampled_from(["concat", "docs"]), shuffle=st.booleans(),
-       seed=st.integers(0, 3))
-def test_packing_properties(tmp_path_factory, shards, seq, pack, shuffle, seed):
+       seed=st.integers(0, 3), offsets=st.sampled_from(["fixed", "random"]),
+       epoch=st.integers(0, 2))
+def test_packing_properties(tmp_path_factory, shards, seq, pack, shuffle, seed, offsets, epoch):
   folder = tmp_path_factory.mktemp("cache")
   write_cache(folder, shards)
   lengths = [n for s in shards for n in s]
   starts = np.concatenate([[1], 1 + np.cumsum(lengths)])  # each document's first token
   total = sum(lengths)
-  ld = loader(folder, run_seed=seed, seq=seq, batch=1, pack=pack, shuffle=shuffle)
-  tokens, segments, positions = _epoch(ld)
+  ld = loader(folder, run_seed=seed, seq=seq, batch=1, pack=pack, shuffle=shuffle,
+              offsets=offsets)
+  tokens, segments, positions = _epoch(ld, epoch)
   # Every document's tokens appear exactly once in an epoch.
   assert sorted(tokens[segments > 0].tolist()) == list(range(1, total + 1))
   for t, s, p in zip(tokens, segments, positions):
@@ -86,7 +88,7 @@ def test_packing_properties(tmp_path_factory, shards, seq, pack, shuffle, seed):
       doc = np.searchsorted(starts, piece[0], side="right") - 1
       assert piece[-1] < starts[doc + 1]  # a piece stays inside its document
       assert (p[s == k] == np.arange(len(piece))).all()  # positions count from 0 in the piece
-      if pack == "docs":
+      if pack == "docs" and offsets == "fixed":
         assert (piece[0] - starts[doc]) % seq == 0  # a long document is cut every seq tokens
   if pack == "concat":
     assert ld.records == -(-total // seq)
@@ -178,6 +180,42 @@ def test_missing_cache_and_bad_pack_are_coded(tmp_path):
     loader(tmp_path / "c", seq=4, batch=2, vocab=1000)
   assert e.value.code == "E-LOAD-003" and "more than :vocab 1000" in str(e.value)
   assert loader(tmp_path / "c", seq=4, batch=2, vocab=1 << 20).vocab == 1 << 20
+
+
+def _rows(ld, epoch):
+  """An epoch's rows as a set of their non-padding token tuples."""
+  tokens, segments, _ = _epoch(ld, epoch)
+  return {tuple(t[s > 0]) for t, s in zip(tokens, segments)}
+
+
+@pytest.mark.parametrize("pack", ["docs", "concat"])
+@pytest.mark.parametrize("run_seed", [0, 1, 2])
+def test_no_fixed_row_repeats_across_epochs(tmp_path, pack, run_seed):
+  write_cache(tmp_path, [[130, 257, 141, 170, 199], [133, 150, 201, 177, 160, 143, 188]])
+  fixed = loader(tmp_path, run_seed=run_seed, seq=16, batch=2, pack=pack, offsets="fixed")
+  assert _rows(fixed, 0) == _rows(fixed, 1) == _rows(fixed, 2)  # what a model memorises
+  ld = loader(tmp_path, run_seed=run_seed, seq=16, batch=2, pack=pack)  # random: the default
+  assert ld.offsets == "random" and ld.records == fixed.records
+  epochs = [_rows(ld, e) for e in range(3)]
+  for a in range(3):
+    for b in range(a + 1, 3):
+      assert len(epochs[a] & epochs[b]) <= len(epochs[b]) // 4, (a, b)
+  # A pass (shuffle_default False) cuts at offset 0, the same rows each time.
+  assert loader(tmp_path, shuffle_default=False, seq=16, batch=2, pack=pack).offsets == "fixed"
+
+
+def test_offsets_are_a_pure_function_of_seed_and_position(tmp_path):
+  write_cache(tmp_path, [[300, 257, 410]])
+  a = loader(tmp_path, run_seed=4, seq=16, batch=4, pack="docs")
+  b = loader(tmp_path, run_seed=4, seq=16, batch=4, pack="docs")
+  for i in (90, 3, 91, 0, 200):  # across epochs, out of order: no state but the position
+    for k in a.fields:
+      np.testing.assert_array_equal(a.batch(i)[k], b.batch(i)[k])
+  other = loader(tmp_path, run_seed=4, seq=16, batch=4, pack="docs", seed=1)
+  assert not np.array_equal(a.batch(0)["tokens"], other.batch(0)["tokens"])
+  with pytest.raises(SxError) as e:
+    loader(tmp_path, seq=16, batch=4, offsets="shifted")
+  assert e.value.code == "E-FORM-001" and ":offsets" in str(e.value) and "random" in e.value.fix
 
 
 EXP = """;; a text LM over a token cache, for the resume test

@@ -170,7 +170,8 @@ class TokensLoader(WindowLoader):
 
   kind = "tokens"
   arg_table = ArgTable(("path", "seq", "batch"),
-                       {"dtype": "u16", "stride": 0, "vocab": 0, **_COMMON})
+                       {"dtype": "u16", "stride": 0, "vocab": 0, **_COMMON},
+                       {"dtype": tuple(_TOKEN_DTYPES)})
 
 
 class BytesLoader(WindowLoader):

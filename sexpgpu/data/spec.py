@@ -33,10 +33,12 @@ class LoaderSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ArgTable:
-  """The keywords a loader kind takes: the required ones and the defaults."""
+  """The keywords a loader kind takes: the required ones, the defaults, and for a keyword
+  whose value is a name (`:pack docs`), the names it takes."""
 
   required: tuple[str, ...]
   optional: Mapping[str, Any]
+  choices: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   def known(self) -> list[str]:
     """Every keyword of the kind, required first."""

@@ -15,8 +15,10 @@ from sexpgpu.data.spec import (SEED_LIMIT, ArgTable, LoaderSpec, form_error, fra
 
 # Keeps the text loader's shuffle apart from the other loaders' streams (base.TAG_*).
 TAG_TEXT = 6
+TAG_TEXT_OFFSETS = 7
 _I32 = np.dtype(np.int32)
 PACKS = ("concat", "docs")
+OFFSETS = ("random", "fixed")
 
 
 class _Order(RecordOrder):
@@ -36,17 +38,22 @@ class _Order(RecordOrder):
 
 
 class TextLoader(base.Loader):
-  """`(text "cache/" :seq N :batch B [:pack concat|docs] [:split [a b]] [:vocab V] [:shuffle] ...)`.
+  """`(text "cache/" :seq N :batch B [:pack concat|docs] [:offsets random|fixed] [:split [a b]] ...)`.
 
   The cache is what `sexpgpu tokenize` writes (a folder, or s3:// / gs://
   fetched shard by shard into the data cache). `:split [a b]` keeps documents
   floor(a·D) … floor(b·D)−1 of the cache's D. `:pack concat` lays those
   documents end to end and cuts rows of N (the last row padded); `:pack docs`
   places whole documents (a longer one cut into pieces of N) into rows first-fit
-  in order, the rest of a row padding. Rows are fixed by the cache and the
-  arguments; `:shuffle` permutes them each epoch by (run seed, `:seed`, stream,
-  epoch), so record p is a pure function of those and p (`:shuffle`, `:stream`,
-  `:seed S`). `:vocab V` checks that the cache's tokenizer fits a model of V
+  in order, the rest of a row padding. The row layout is fixed by the cache and
+  the arguments; `:offsets random` (the default for training) moves where each
+  epoch's rows cut the text: under `:pack docs` each document longer than a row
+  is read from a random offset in 0 … N−1 each epoch (its head, wrapped round
+  to its end, is a segment of its own), under `:pack concat` the whole stream
+  is; `:offsets fixed` (the default for passes) cuts at offset 0 every epoch.
+  `:shuffle` permutes the rows each epoch by (run seed, `:seed`, stream, epoch);
+  the offsets are drawn from the same seeds, so record p is a pure function of
+  those and p (`:shuffle`, `:stream`, `:seed S`). `:vocab V` checks that the cache's tokenizer fits a model of V
   tokens. Each record has
   `:tokens` (padding is the end-of-document id), `:segments` (1, 2, 3 … per
   document in the row, 0 for padding) and `:positions` (inside the document's
@@ -56,7 +63,8 @@ class TextLoader(base.Loader):
   kind = "text"
   arg_table = ArgTable(("path", "seq", "batch"),
                        {"pack": "concat", "split": (0, 1), "shuffle": None, "stream": 0,
-                        "seed": 0, "vocab": 0})
+                        "seed": 0, "vocab": 0, "offsets": None},
+                       {"pack": PACKS, "offsets": OFFSETS})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
@@ -71,6 +79,12 @@ class TextLoader(base.Loader):
     if self.pack not in PACKS:
       raise form_error(spec, f"`:pack` is {self.pack}, expected concat or docs",
                        "write :pack concat (end to end) or :pack docs (whole documents)")
+    offsets = ("random" if ctx.shuffle_default else "fixed") if args["offsets"] is None \
+        else str(args["offsets"])
+    if offsets not in OFFSETS:
+      raise form_error(spec, f"`:offsets` is {offsets}, expected random or fixed",
+                       "write :offsets random (rows cut anew each epoch) or :offsets fixed")
+    self.offsets = offsets
     split = fraction_range(spec, args["split"])
     shuffle = ctx.shuffle_default if args["shuffle"] is None else args["shuffle"]
     if not isinstance(shuffle, bool):
@@ -106,6 +120,8 @@ class TextLoader(base.Loader):
                        f"{self.records} rows of {self.seq} tokens is fewer than one microbatch "
                        f"of {self.batch_size}", "tokenize more text, or lower :seq or :batch")
     self.order = _Order(self.records, shuffle, ctx.seed, own_seed, stream)
+    self._seeds = (ctx.seed, own_seed, stream)
+    self._shifts: dict[int, np.ndarray] = {}
     shape = (self.batch_size, self.seq)
     self.fields = {"tokens": (shape, _I32), "segments": (shape, _I32),
                    "positions": (shape, _I32)}
@@ -145,34 +161,72 @@ class TextLoader(base.Loader):
         parts.append(m[lo - offset:hi - offset])
     return np.concatenate(parts).astype(_I32) if parts else np.empty(0, _I32)
 
+  def shifts(self, epoch: int) -> np.ndarray:
+    """Where each document, and the stream, is read from in one epoch (cached, two epochs).
+
+    Returns:
+      One offset a document of the split (0 for a document that fits in a
+      row, else 0 … seq−1), then one for the stream (used by `:pack concat`);
+      all zero under `:offsets fixed`.
+    """
+    if epoch not in self._shifts:
+      if len(self._shifts) >= 2:
+        self._shifts.pop(next(iter(self._shifts)))
+      if self.offsets == "fixed":
+        shift = np.zeros(self.documents + 1, np.int64)
+      else:
+        g = base.rng(TAG_TEXT_OFFSETS, *self._seeds, epoch)
+        shift = g.integers(0, self.seq, self.documents + 1)
+        shift[:-1][np.diff(self._bounds) <= self.seq] = 0
+      self._shifts[epoch] = shift
+    return self._shifts[epoch]
+
   def batch(self, i: int) -> dict[str, np.ndarray]:
     """The i-th microbatch of rows, a pure function of (cache, args, seed, i)."""
-    rows = self.order.indices(i * self.batch_size, self.batch_size)
+    first = i * self.batch_size
+    rows = self.order.indices(first, self.batch_size)
     out = {k: np.zeros((self.batch_size, self.seq), _I32) for k in self.fields}
     out["tokens"].fill(self.eos)
-    build = self._concat_row if self.pack == "concat" else self._docs_row
     for j, r in enumerate(rows):
-      build(int(r), out["tokens"][j], out["segments"][j], out["positions"][j])
+      shift = self.shifts((first + j) // self.records)
+      pieces = self._concat_row(int(r), shift) if self.pack == "concat" else self._docs_row(int(r))
+      self._fill(pieces, shift, out["tokens"][j], out["segments"][j], out["positions"][j])
     return out
 
-  def _concat_row(self, r: int, tokens, segments, positions) -> None:
+  def _concat_row(self, r: int, shift: np.ndarray) -> list[np.ndarray]:
+    """Row r as one piece: stream places, the stream read from its epoch's offset."""
     start = r * self.seq
     n = min(self.seq, self.tokens - start)
-    tokens[:n] = self._read(start, n)
-    p = np.arange(start, start + n)
-    doc = np.searchsorted(self._bounds, p, side="right") - 1
-    segments[:n] = doc - doc[0] + 1
-    positions[:n] = p - np.maximum(self._bounds[doc], start)
+    return [(np.arange(start, start + n) + shift[-1]) % self.tokens]
 
-  def _docs_row(self, r: int, tokens, segments, positions) -> None:
+  def _docs_row(self, r: int) -> list[np.ndarray]:
+    """Row r's pieces, each the stream places of one document's piece."""
     ptr, piece_start, piece_len = self._rows
-    at = 0
-    for k, q in enumerate(range(ptr[r], ptr[r + 1])):
-      n = int(piece_len[q])
-      tokens[at:at + n] = self._read(int(piece_start[q]), n)
-      segments[at:at + n] = k + 1
-      positions[at:at + n] = np.arange(n)
-      at += n
+    return [np.arange(piece_start[q], piece_start[q] + piece_len[q])
+            for q in range(ptr[r], ptr[r + 1])]
+
+  def _fill(self, pieces: list[np.ndarray], shift: np.ndarray, tokens, segments,
+            positions) -> None:
+    """Writes a row's pieces, each document read from its offset with its head wrapped round.
+
+    A segment starts at each piece and wherever the text read is not one
+    document's consecutive tokens (a document boundary, or a document's end
+    followed by its wrapped head); positions count from 0 in each segment.
+    """
+    at, seg = 0, 0
+    for places in pieces:
+      doc = np.searchsorted(self._bounds, places, side="right") - 1
+      d0 = self._bounds[doc]
+      read = d0 + (places - d0 + shift[doc]) % (self._bounds[doc + 1] - d0)
+      cut = np.ones(len(read), bool)
+      cut[1:] = (np.diff(read) != 1) | (np.diff(doc) != 0)
+      starts = np.flatnonzero(cut)
+      for a, b in zip(starts, np.append(starts[1:], len(read))):
+        seg += 1
+        tokens[at + a:at + b] = self._read(int(read[a]), int(b - a))
+        segments[at + a:at + b] = seg
+        positions[at + a:at + b] = np.arange(b - a)
+      at += len(read)
 
   def count_tokens(self, batch: dict[str, np.ndarray]) -> int:
     """The non-padding tokens of a batch (what `counter tokens` counts)."""
@@ -186,9 +240,11 @@ class TextLoader(base.Loader):
     """Kind, field types, rows, the cache, its documents, tokens, vocabulary and padding."""
     return {**super().describe(), "file": remote.redact(self.uri), "documents": self.documents,
             "tokens": self.tokens, "vocab": self.vocab, "padding": self.padding(),
+            "offsets": self.offsets,
             "summary": f"{self.documents} document{'s' if self.documents != 1 else ''}, "
                        f"{self.tokens} tokens, vocabulary "
-                       f"{self.vocab}, padding {100 * self.padding():.1f}%"}
+                       f"{self.vocab}, padding {100 * self.padding():.1f}%, "
+                       f"offsets {self.offsets}"}
 
 
 def _first_fit(lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

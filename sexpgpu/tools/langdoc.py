@@ -99,7 +99,8 @@ LOADER_KEYWORDS = {
     "shuffle": "shuffle records (default: true for training, false for passes)",
     "split": "[FROM TO] fractions of the records, such as [0 0.9]",
     "digits": "digits per operand", "dtype": "u16 (default) or u32 token width",
-    "fields": "[x y]: the arrays to read", "pack": "concat (default) or pad documents",
+    "fields": "[x y]: the arrays to read", "pack": "concat (default: documents end to end) or docs (whole documents a row)",
+    "offsets": "random (default for training: rows cut anew each epoch) or fixed",
     "stride": "tokens between windows (default seq)", "path": "the file (relative or s3://)",
     "components": "written positionally: (mix (0.7 LOADER) (0.3 LOADER) :batch B)",
 }
@@ -189,6 +190,19 @@ STD = {
                  " [h balance z-loss]",
     "same-doc": "attention scores kept only where query and key share a packed document"
                 " (nil segments: all)",
+    "mixtral-moe": "Mixtral's sparse MoE of SwiGLU experts (gate, experts/w1 w3 w2), top-:k"
+                   " gates renormalized, no token dropped → [y chosen probs]",
+    "mixtral-block": "Mixtral's layer: llama attention and norms, the sparse MoE; with :aux the"
+                     " carry holds the router statistics after the width",
+    "mixtral-balance": "the router statistics summed over layers → :router-aux × the twin's"
+                       " load-balancing loss",
+    "mixtral": "Mixtral as transformers' MixtralForCausalLM: tokens [b t] to logits, or"
+               " [logits aux] with :aux true; :experts, :top-k, :router-aux, untied head",
+    "mamba-mixer": "Mamba's mixer: in_proj, causal depthwise conv1d, the selective scan as a"
+                   " linear-recurrence over time, D skip, SiLU gate, out_proj",
+    "mamba-block": "Mamba's layer: x + mixer(rmsnorm(x))",
+    "mamba": "Mamba as transformers' MambaForCausalLM: tokens [b t] to logits [b t vocab],"
+             " :state, :conv, :expand, :dt-rank, tied head, no position table",
 }
 
 
