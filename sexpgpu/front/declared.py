@@ -224,7 +224,9 @@ def builtins_for(names: list[str]) -> dict[str, Builtin]:
 
 def builtins(existing: dict[str, Builtin]) -> dict[str, Builtin]:
   """Builtins for every declared op that has no front end of its own in `existing`."""
+  from sexpgpu.front.scans import FRONT  # it reads calls with this module's readers
   out = {"top-k": Builtin("top-k", _top_k)}
+  out.update({name: Builtin(name, fn) for name, fn in FRONT.items()})
   for name, op in OPS.items():
     if name not in existing and name not in out and name not in MADE_BY and op.source is None:
       out[name] = Builtin(name, _declared(op))

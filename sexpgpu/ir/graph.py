@@ -1,4 +1,4 @@
-"""Graph IR: immutable, hash-consed nodes; parameters; graphs with repeat bodies."""
+"""Graph IR: immutable, hash-consed nodes; parameters; graphs with repeat and scan bodies."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class Node:
   Attributes:
     op: a primitive name from `ir.ops.OPS`, or a leaf/structural op:
       "input" (a batch field), "param" (a parameter), "carry" (a repeat body's
-      input), "repeat" (a repeated body).
+      input, or a scan function's argument), "repeat" (a repeated body), "scan" and
+      "associative-scan" (a function over an axis: several values, dtype "tuple"), "part"
+      (value `index` of a scan's).
     inputs: tensor inputs (Nodes) or weakly typed literals (int, float, bool).
     attrs: static attributes, a tuple of (name, value) pairs, sorted by name.
     dtype: the IR dtype name ("f32", "i32", "bool", ...).
@@ -37,6 +39,7 @@ class Node:
   uid: int = dataclasses.field(default_factory=lambda: next(_ids))
 
   def attr(self, name: str, default: Any = None) -> Any:
+    """The attribute `name`, or `default` when the node has none."""
     for k, v in self.attrs:
       if k == name:
         return v
@@ -44,6 +47,8 @@ class Node:
 
   @property
   def type_str(self) -> str:
+    if self.dtype == TUPLE:
+      return "(" + " ".join(type_str(d, s) for d, s in self.attr("types")) + ")"
     return type_str(self.dtype, self.shape)
 
   def __hash__(self) -> int:
@@ -51,6 +56,11 @@ class Node:
 
   def __repr__(self) -> str:
     return f"<{self.op}:{self.type_str} #{self.uid}>"
+
+
+# The dtype of a node holding several values (a scan's), each read by a "part" node; its
+# attribute "types" holds each value's (dtype, shape).
+TUPLE = "tuple"
 
 
 def type_str(dtype: str, shape: tuple[int, ...]) -> str:
@@ -101,11 +111,30 @@ class Body:
   params: tuple[str, ...]
 
 
-def walk(outputs: list[Node]) -> Iterator[Node]:
-  """Yields every node reachable from `outputs` (not entering bodies), inputs first."""
-  seen: set[int] = set()
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fn:
+  """A scan's function: its argument leaves ("carry" nodes), its result nodes, and the
+  parameters it reads (shared by every trip, not stacked).
+
+  The nodes outside it that it reads are the scan node's inputs after its own operands, so
+  every walk of the graph meets them before the scan, and a walk of the body stops there.
+  """
+
+  args: tuple[Node, ...]
+  results: tuple[Node, ...]
+  params: tuple[str, ...]
+
+
+def walk(outputs: list[Node], stop: frozenset[int] | set[int] = frozenset()) -> Iterator[Node]:
+  """Yields every node reachable from `outputs` (not entering bodies), inputs first.
+
+  Args:
+    stop: uids of nodes not yielded nor entered (a body's walk stops at the values it reads
+      from outside).
+  """
+  seen: set[int] = set(stop)
   order: list[Node] = []
-  stack: list[tuple[Node, bool]] = [(o, False) for o in reversed(outputs)]
+  stack: list[tuple[Node, bool]] = [(o, False) for o in reversed(outputs) if o.uid not in seen]
   while stack:
     node, done = stack.pop()
     if done:
@@ -142,3 +171,10 @@ class Graph:
   def nodes(self) -> list[Node]:
     roots = list(self.outputs.values()) + [n for ns in self.taps.values() for n in ns]
     return list(walk(roots))
+
+
+def body_nodes(node: Node) -> list[Node]:
+  """The nodes of a scan's function in order, without the outside values it reads (the
+  scan's inputs after its own operands)."""
+  outside = {i.uid for i in node.inputs[node.attr("operands"):] if isinstance(i, Node)}
+  return list(walk(list(node.attr("body").results), outside))

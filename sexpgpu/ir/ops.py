@@ -8,9 +8,9 @@ lives in `sexpgpu.lower`, registered with `register_lowering`; its FLOPs, its
 decode rule and its front end are tables of their own modules, and
 tests/test_op_table.py checks that every op has an entry in each.
 
-The ops that routing, recurrences, convolutions and random draws need are
-declared in `ir.ops_select`, `ir.ops_conv` and `ir.ops_random`, imported at
-the end of this module.
+The ops that routing, recurrences, convolutions, random draws and scans of a
+function need are declared in `ir.ops_select`, `ir.ops_conv`, `ir.ops_random`
+and `ir.ops_scan`, imported at the end of this module.
 """
 
 from __future__ import annotations
@@ -374,4 +374,4 @@ def _chunked_cross_entropy(ctx, h, w, targets, mask=None, *, chunks):
   return _cross_entropy(ctx, _matmul(ctx, h, w), targets, mask)
 
 
-from sexpgpu.ir import ops_conv, ops_random, ops_select  # noqa: E402,F401  (they register)
+from sexpgpu.ir import ops_conv, ops_random, ops_scan, ops_select  # noqa: E402,F401  (they register)

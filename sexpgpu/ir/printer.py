@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 
-from sexpgpu.ir.graph import Body, Graph, Node, walk
+from sexpgpu.ir.graph import Body, Fn, Graph, Node, walk
 
 
 def _attr_str(v) -> str:
-  if isinstance(v, Body):
+  if isinstance(v, (Body, Fn)):
     return "…"
   if isinstance(v, tuple):
     return "(" + ",".join(_attr_str(i) for i in v) + ")"
@@ -39,7 +39,7 @@ class _Printer:
       if node.uid in self.names:
         continue
       self.names[node.uid] = f"%{len(self.names)}"
-      attrs = [(k, v) for k, v in node.attrs if k not in ("body", "frame")]
+      attrs = [(k, v) for k, v in node.attrs if k not in ("body", "frame", "types")]
       head = node.op + ("[" + ", ".join(f"{k}={_attr_str(v)}" for k, v in attrs) + "]"
                         if attrs else "")
       args = " ".join(self.name(i) for i in node.inputs)
@@ -51,7 +51,11 @@ class _Printer:
       remark = self.note(node) if self.note is not None else ""
       if remark:
         line += f"  | {remark}"
-      if body is not None:
+      if isinstance(body, Fn):  # a scan's function: its arguments, then what it computes
+        self.lines.append(line + " {")
+        self.emit(list(body.args) + list(body.results), indent + "    ")
+        self.lines.append(f"{indent}  }} -> " + ", ".join(self.name(r) for r in body.results))
+      elif body is not None:
         self.lines.append(line + " {")
         self.emit([body.carry, body.output], indent + "    ")
         self.lines.append(f"{indent}  }} -> {self.name(body.output)}")

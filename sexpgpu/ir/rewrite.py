@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from sexpgpu.errors import Loc
-from sexpgpu.ir.graph import Body, Graph, Node, walk
+from sexpgpu.ir.graph import Body, Fn, Graph, Node, walk
 from sexpgpu.ir.shapes import infer, literal_type
 
 XENT_MIN_VOCAB = 8192  # a vocabulary at least this large gets the chunked loss
@@ -81,10 +81,14 @@ def _use_counts(roots: list[Node]) -> dict[int, int]:
       for i in node.inputs:
         if isinstance(i, Node):
           uses[i.uid] = uses.get(i.uid, 0) + 1
-      body = node.attr("body") if node.op == "repeat" else None
-      if body is not None:
+      body = node.attr("body")
+      if isinstance(body, Body):
         uses[body.output.uid] = uses.get(body.output.uid, 0) + 1
         pending.append([body.output])
+      elif isinstance(body, Fn):
+        for r in body.results:
+          uses[r.uid] = uses.get(r.uid, 0) + 1
+        pending.append(list(body.results))
   return uses
 
 
@@ -141,6 +145,17 @@ class _Rewriter:
       out = inner.map[body.output.uid]
       if out is not body.output:
         attrs = tuple((k, Body(body.carry, out, body.params) if k == "body" else v)
+                      for k, v in attrs)
+    elif isinstance(node.attr("body"), Fn):  # a scan's function runs once a position
+      body = node.attr("body")
+      xs = node.inputs[node.attr("carries")]
+      inner = _Frame(frame, frame.times * xs.shape[node.attr("axis")])
+      for a in body.args:
+        inner.map[a.uid] = a
+      self.run(list(body.results), inner)
+      results = tuple(inner.map.get(r.uid) or frame.get(r) for r in body.results)
+      if any(a is not b for a, b in zip(results, body.results)):
+        attrs = tuple((k, Fn(body.args, results, body.params) if k == "body" else v)
                       for k, v in attrs)
     key = _key(node.op, inputs, attrs)
     found = frame.interned.get(key)

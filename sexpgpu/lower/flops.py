@@ -11,7 +11,8 @@ import math
 import re
 from typing import Callable
 
-from sexpgpu.ir.graph import Graph, Node, walk
+from sexpgpu.ir.graph import Graph, Node, body_nodes, walk
+from sexpgpu.ir.ops_scan import combines
 from sexpgpu.ir.shapes import np_dtype
 
 
@@ -31,7 +32,8 @@ def _einsum_flops(spec: str, shapes: list[tuple[int, ...]]) -> int:
 FLOPS: dict[str, Callable[[Node], int] | str] = {}
 
 
-LEAVES = ("input", "param", "carry")  # the graph's leaves, which compute nothing
+# the graph's leaves, and a part of a scan's values (a scan counts its own), compute nothing
+LEAVES = ("input", "param", "carry", "part")
 
 
 def register_flops(rule: Callable[[Node], int] | str, *ops: str) -> None:
@@ -90,6 +92,17 @@ def _conv(node: Node) -> int:
   return 2 * x.shape[0] * taps * w.shape[-2] * w.shape[-1]
 
 
+def _trips(node: Node) -> int:
+  """How many times a scan evaluates its function: once a position for a scan, once an
+  element combination for an associative scan."""
+  n = node.inputs[node.attr("carries")].shape[node.attr("axis")]
+  return n if node.op == "scan" else combines(n)
+
+
+def _scan(node: Node) -> int:
+  return _trips(node) * _count(body_nodes(node))
+
+
 def _per_element(k: int):
   """k flops an output element (XLA's count of an elementwise op: 1, a transcendental 0)."""
   return lambda node: k * math.prod(node.shape)
@@ -105,6 +118,7 @@ register_flops(lambda n: _einsum_flops(n.attr("spec"), [i.shape for i in n.input
 register_flops(_sdpa, "sdpa")
 register_flops(_chunked_xent, "chunked-cross-entropy")
 register_flops(_conv, "conv")
+register_flops(_scan, "scan", "associative-scan")
 # Elementwise work counts as XLA's cost analysis counts it, so the counted FLOPs of a small
 # model agree with XLA's (products dominate a large one either way).
 register_flops(_per_element(1), "+", "-", "*", "/", "pow", "max", "min", "mod", "neg", "abs",
@@ -143,8 +157,12 @@ def node_flops(node: Node) -> int:
 
 
 def _flops(roots: list[Node]) -> int:
+  return _count(walk(roots))
+
+
+def _count(nodes) -> int:
   total = 0
-  for node in walk(roots):
+  for node in nodes:
     if node.op == "repeat":
       body = node.attr("body")
       total += node.attr("n") * _flops([body.output])
@@ -166,8 +184,12 @@ _PER_INPUT = ("matmul", "conv", "chunked-cross-entropy")
 def _backward(roots: list[Node], needs: dict[int, bool]) -> int:
   """Flops of the backward pass over `roots`; `needs` is filled with uid → whether the
   value depends on a parameter (only such values carry a gradient)."""
+  return _backward_nodes(walk(roots), needs)
+
+
+def _backward_nodes(nodes, needs: dict[int, bool]) -> int:
   total = 0
-  for node in walk(roots):
+  for node in nodes:
     ins = [i for i in node.inputs if isinstance(i, Node)]
     if node.op == "param":
       needs[node.uid] = True
@@ -178,6 +200,10 @@ def _backward(roots: list[Node], needs: dict[int, bool]) -> int:
       inner = {body.carry.uid: True}
       total += node.attr("n") * _backward([body.output], inner)
       needs[node.uid] = True
+    elif node.op in ("scan", "associative-scan"):  # its function's backward, once a trip
+      inner = dict(needs)
+      total += _trips(node) * _backward_nodes(body_nodes(node), inner)
+      needs[node.uid] = any(inner.get(r.uid, False) for r in node.attr("body").results)
     else:
       flags = [needs.get(i.uid, False) for i in ins]
       needs[node.uid] = any(flags) and node.op != "stop-gradient"
@@ -202,7 +228,12 @@ def _value_bytes(roots: list[Node]) -> int:
   for node in walk(roots):
     if node.op == "repeat":
       total += node.attr("n") * _value_bytes([node.attr("body").output])
-    elif node.op not in ("input", "param", "carry"):
+    elif node.op in ("scan", "associative-scan"):  # each trip's values, and the stacked ones
+      body = body_nodes(node)
+      total += _trips(node) * sum(math.prod(n.shape) * np_dtype(n.dtype).itemsize
+                                  for n in body if n.op not in LEAVES and n.dtype != "tuple")
+      total += sum(math.prod(s) * np_dtype(d).itemsize for d, s in node.attr("types"))
+    elif node.op not in LEAVES:
       total += math.prod(node.shape) * np_dtype(node.dtype).itemsize
   return total
 

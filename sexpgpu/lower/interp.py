@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from sexpgpu.ir.graph import Graph, Node, walk
+from sexpgpu.ir.graph import Fn, Graph, Node, walk
 from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.lower.rules import lowering
 
@@ -43,6 +43,10 @@ def _eval(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: LowerCt
       env[node.uid] = inputs[node.attr("field")]
     elif op == "repeat":
       env[node.uid] = _repeat(node, env, params, inputs, ctx, taps)
+    elif op == "part":
+      env[node.uid] = env[node.inputs[0].uid][node.attr("index")]
+    elif isinstance(node.attr("body"), Fn):
+      env[node.uid] = scan_value(node, env, params, inputs, ctx)
     else:
       args = [env[i.uid] if isinstance(i, Node) else i for i in node.inputs]
       attrs = {k: v for k, v in node.attrs}
@@ -87,3 +91,38 @@ def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, ta
     for name, vals in ys.items():
       taps.setdefault(name, []).extend(vals)
   return out
+
+
+def body_fn(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx):
+  """A scan's function as a Python callable of tuples of arrays, for its lowering rule:
+  `fn(carry, x, t) → (carry, y)` for a scan (`t` the position, folded into the key of
+  random ops), `fn(a, b) → c` for an associative scan. It reads the outside values it
+  uses from `env`, where they already are (they are the scan's inputs)."""
+  body = node.attr("body")
+  carries = node.attr("carries")
+
+  def call(args: tuple, index=None) -> tuple:
+    local = dict(env)
+    for a, v in zip(body.args, args):
+      local[a.uid] = v
+    sub = ctx if index is None or ctx.rng is None else dataclasses.replace(
+        ctx, rng=jax.random.fold_in(ctx.rng, index))
+    _eval(list(body.results), local, params, inputs, sub, None)
+    return tuple(local[r.uid] for r in body.results)
+
+  if node.op == "scan":
+    def step(carry, x, t):
+      out = call(tuple(carry) + tuple(x), t)
+      return out[:carries], out[carries:]
+    return step
+  return lambda a, b: call(tuple(a) + tuple(b))
+
+
+def scan_value(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx,
+               fn=None) -> tuple:
+  """The values of a scan node (a tuple: its carries, then its stacked outputs), by its
+  lowering rule on this platform; `fn` replaces its function (decoding masks it)."""
+  args = [env[i.uid] for i in node.inputs[:node.attr("operands")]]
+  attrs = {k: v for k, v in node.attrs if k not in ("body", "types")}
+  fn = fn or body_fn(node, env, params, inputs, ctx)
+  return tuple(lowering(node.op, ctx.platform)(ctx, *args, fn=fn, **attrs))

@@ -23,11 +23,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sexpgpu.ir.graph import Graph, Node, walk
+from sexpgpu.ir.graph import Fn, Graph, Node, walk
 from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.ir.printer import print_graph
+from sexpgpu.lower import interp
 from sexpgpu.lower.rules import lowering
-from sexpgpu.models.decode_rules import DECODE, NoRule, Plan, _ax  # noqa: F401 (NoRule: callers')
+from sexpgpu.models.decode_rules import (DECODE, NoRule, Plan, _ax,  # noqa: F401 (NoRule: callers')
+                                         part_axis)
 
 def plan(graph: Graph, window: int) -> Plan:
   """The incremental plan of a logits graph built for `window` positions.
@@ -44,7 +46,9 @@ def plan(graph: Graph, window: int) -> Plan:
 
 
 _CARRY_ROLES = {"running": "running total kept (carry)", "recurrence": "recurrence state kept (carry)",
-                "window": "window cache of the last (kernel-1)×dilation inputs"}
+                "window": "window cache of the last (kernel-1)×dilation inputs",
+                "scan": "scan carry kept (carry)",
+                "combination": "running combination kept (carry)"}
 
 
 def explain(graph: Graph, window: int) -> str:
@@ -108,6 +112,8 @@ def _axis(p: Plan, n: Node) -> int | None:
     return None
   if op == "full":
     return None
+  if op == "part":
+    return part_axis(p, n)
   if not timed:
     # rows 0..W of a table that does not depend on the tokens (learned, or computed like a
     # rotary table of more positions): the step reads the row at the offset
@@ -175,6 +181,13 @@ def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset, valid):
     if op == "repeat":
       env[n.uid] = _repeat(p, n, env, params, tokens, ctx, cache, out_cache, offset, valid)
       continue
+    if op == "part":
+      env[n.uid] = env[n.inputs[0].uid][n.attr("index")]
+      continue
+    if isinstance(n.attr("body"), Fn):
+      env[n.uid] = (_scan(n, env, params, ctx, cache, out_cache, offset, valid)
+                    if n.uid in p.carries else interp.scan_value(n, env, params, {}, ctx))
+      continue
     args = [env[i.uid] if isinstance(i, Node) else i for i in n.inputs]
     attrs = dict(n.attrs)
     if op == "sdpa":
@@ -231,6 +244,40 @@ def _carry(kind, n, args, attrs, ctx, cache, out_cache, valid):
     inclusive = out if not attrs["exclusive"] else total(out, x.astype(out.dtype))
     last = jax.lax.dynamic_slice_in_dim(inclusive, valid - 1, 1, axis=axis) - identity
   out_cache[n.uid] = last
+  return out
+
+
+def _scan(n, env, params, ctx, cache, out_cache, offset, valid):
+  """A scan along positions: this call's positions from the carry of the ones before (INIT
+  at offset 0), keeping the carry after the last real one (`valid`); an associative scan
+  combines the positions before (kept as one element) with this call's running
+  combination."""
+  k, m, axis = n.attr("carries"), n.attr("operands"), n.attr("axis")
+  args = [env[i.uid] for i in n.inputs[:m]]
+  attrs = {a: v for a, v in n.attrs if a not in ("body", "types")}
+  fn = interp.body_fn(n, env, params, {}, ctx)
+  prev = cache.get(n.uid) if cache is not None else None
+  start = offset == 0 if offset is not None else True
+  rule = lowering(n.op, ctx.platform)
+  if n.op == "scan":
+    init = args[:k]
+    if prev is not None:
+      init = [jnp.where(start, i, c.astype(i.dtype)) for i, c in zip(init, prev)]
+
+    def masked(carry, x, t):  # positions past the real ones leave the carry as it is
+      new, y = fn(carry, x, t)
+      return tuple(jnp.where(t < valid, a, b) for a, b in zip(new, carry)), y
+
+    out = tuple(rule(ctx, *init, *args[k:], fn=masked, **attrs))
+    out_cache[n.uid] = out[:k]
+    return out
+  out = tuple(rule(ctx, *args, fn=fn, **attrs))
+  if prev is not None:
+    before = jax.vmap(fn, in_axes=(None, axis), out_axes=axis)(
+        tuple(c.astype(o.dtype) for c, o in zip(prev, out)), out)
+    out = tuple(jnp.where(start, o, b) for o, b in zip(out, before))
+  out_cache[n.uid] = tuple(jax.lax.dynamic_index_in_dim(o, valid - 1, axis, keepdims=False)
+                           for o in out)
   return out
 
 

@@ -43,7 +43,8 @@ class Plan:
   grouped: dict[int, tuple[Node, Node, int]] = dataclasses.field(default_factory=dict)
   # node uid → what it keeps between calls along positions: "running" (a cumsum's or
   # cumprod's total), "recurrence" (a linear recurrence's last state), "window" (the last
-  # (kernel - 1) × dilation inputs of a causal conv)
+  # (kernel - 1) × dilation inputs of a causal conv), "scan" (a scan's carry),
+  # "combination" (an associative scan's combination of the positions so far)
   carries: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
@@ -277,6 +278,35 @@ def _conv(p, n, ins, timed):
   return a
 
 
+def _scan(p, n, ins, timed):
+  """A scan along positions keeps its carry (an associative scan, its running combination);
+  its function sees one position at a time, so nothing inside it runs over positions."""
+  k, m = n.attr("carries"), n.attr("operands")
+  if any(_ax(p, i) is not None for i in ins[m:]):
+    raise NoRule(n, "reads values along positions inside its function")
+  if any(_ax(p, i) is not None for i in ins[:k]):
+    raise NoRule(n, "starts its carry from values along positions")
+  if {_ax(p, x) for x in ins[k:m]} != {n.attr("axis")}:
+    raise NoRule(n, "scans along an axis other than positions, or not all its inputs run"
+                 " over positions")
+  if n.attr("reverse"):
+    raise NoRule(n, "runs backwards along positions: each sees the later ones")
+  p.carries[n.uid] = "scan" if n.op == "scan" else "combination"
+  return n.attr("axis")
+
+
+def part_axis(p: Plan, n: Node) -> int | None:
+  """The time axis of value `index` of a scan's: its stacked outputs keep the scan's; a
+  scan's last carry along positions is none that decoding keeps per position."""
+  src = n.inputs[0]
+  axis = p.axes.get(src.uid)
+  if axis is None:
+    return None
+  if n.attr("index") < src.attr("carries"):
+    raise NoRule(n, "is a scan's carry after the last position: it depends on every position")
+  return axis
+
+
 def _scatter(p, n, ins, timed):
   x, a = timed[0]
   if x is not ins[0] or len(timed) > 1 or a == 0:
@@ -315,6 +345,7 @@ register_decode(_per_axis("reps", lambda r: r == 1, "tiles positions"), "tile")
 register_decode(_per_axis("widths", lambda w: tuple(w) == (0, 0), "pads positions"), "pad")
 register_decode(_scatter, "scatter-add")
 register_decode(_conv, "conv")
+register_decode(_scan, "scan", "associative-scan")
 register_decode(_spatial("pools over positions"), "max-pool", "avg-pool")
 register_decode("mixes positions (a mask over them outside one sdpa region)",
                 "causal-mask", "segment-mask")
