@@ -121,3 +121,50 @@ def test_optimizer_values_in_range_reach_optax_as_written():
   assert type(dict(c.exp.optimizer.get("lr").args)["warmup"]) is int
   _, sched = make_optimizer(c.exp.optimizer, 20)
   assert [round(float(sched(i)), 6) for i in (0, 2, 4)] == [0.0, 0.005, 0.01]
+
+
+# --- numbers and values on the command line ------------------------------------------------
+
+def _cli(capsys, *args):
+  from sexpgpu.cli.main import main
+  code = main(list(args))
+  out, err = capsys.readouterr()
+  assert "Traceback" not in err, err
+  return code, out, err
+
+
+@pytest.mark.parametrize("args,message,fix", [
+    (["--eval-every", "0x10"], "--eval-every is `0x10`; it must be a decimal integer", "16"),
+    (["--steps=1_000"], "--steps is `1_000`; it must be a decimal integer", "1000"),
+    (["--steps", "0o17"], "--steps is `0o17`; it must be a decimal integer", "15"),
+    (["--steps", "9" * 30], "--steps is `" + "9" * 30 + "`; it must be a decimal integer", "100"),
+    (["--steps", "-h"], "--steps needs a value; found the flag `-h`", "--steps=-h"),
+    (["--variant", "--help"], "--variant needs a value; found the flag `--help`", "--variant="),
+    (["--set", "--steps=3"], "--set needs a value; found the flag `--steps=3`", "--set="),
+])
+def test_a_flags_value_is_decimal_and_never_another_flag(capsys, args, message, fix):
+  tiny = os.path.join(CONFIGS, "tiny-lm.sx")
+  code, out, err = _cli(capsys, "check", tiny, *args)
+  assert code == 1 and out == ""
+  assert "error[E-FORM-001]: sexpgpu check: " + message in err
+  assert "= fix: " in err and fix in err.split("= fix: ")[1]
+  assert "usage:" not in err + out
+
+
+def test_a_float_flag_refuses_nan_and_infinity(capsys, tmp_path):
+  code, out, err = _cli(capsys, "watch", str(tmp_path / "status.json"), "--interval", "nan")
+  assert code == 1 and "--interval is `nan`; it must be a finite decimal number" in err
+  code, out, err = _cli(capsys, "watch", str(tmp_path / "status.json"), "--timeout=inf")
+  assert code == 1 and "--timeout is `inf`; it must be a finite decimal number" in err
+
+
+def test_help_still_answers_where_a_flag_stands_and_negative_numbers_are_values(capsys):
+  tiny = os.path.join(CONFIGS, "tiny-lm.sx")
+  code, out, _ = _cli(capsys, "check", tiny, "--steps", "3", "-h")
+  assert code == 0 and out.startswith("usage: sexpgpu check")
+  code, _, err = _cli(capsys, "check", tiny, "--steps", "-5")
+  assert code == 1 and "error[E-KNOB-003]: knob steps = -5 is below its minimum 0" in err
+  from sexpgpu.cli.main import _parse, _run_flags
+  fv = _run_flags()
+  assert _parse(fv, ["--steps", "+12", "--eval-every=007", "x.sx"], "run") == ["x.sx"]
+  assert (fv.steps, fv.eval_every) == (12, 7)

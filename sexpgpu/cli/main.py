@@ -12,12 +12,15 @@ from sexpgpu.run import signals as _signals
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "sexpgpu":
   _signals.install()  # the console script; an importer (a test) keeps its own handlers
 
+import math  # noqa: E402
+import re  # noqa: E402
 import traceback  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import flags  # noqa: E402
 
+from sexpgpu import env  # noqa: E402
 from sexpgpu.cli import help as _help  # noqa: E402
 from sexpgpu.errors import SxError  # noqa: E402
 from sexpgpu.lang.blame import guarded  # noqa: E402
@@ -78,8 +81,6 @@ def _parse(fv: flags.FlagValues, argv: list[str], command: str) -> list[str]:
     _help.Help: the help was asked for (the CLI prints it and exits 0).
     SxError: E-FORM-001 for a flag that does not parse.
   """
-  if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
-    raise _help.Help(_help.command_help(command, fv, _commands().get(command)))
   # absl spells multi-word flags with underscores; accept the seed's dashes too.
   norm = []
   for a in argv:
@@ -89,12 +90,73 @@ def _parse(fv: flags.FlagValues, argv: list[str], command: str) -> list[str]:
       name, eq, val = a[2:].partition("=")
       a = "--" + name.replace("-", "_") + eq + val
     norm.append(a)
+  _check_values(fv, norm, command)
   norm += argv[len(norm):]
   try:
     return fv([f"sexpgpu {command}"] + norm)[1:]
   except flags.Error as e:
     raise SxError("E-FORM-001", f"sexpgpu {command}: {e}", where="the command line",
                   fix=f"sexpgpu {command} --help lists the flags") from None
+
+
+HELP_FLAGS = ("-h", "--help", "-help", "--helpfull")
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+_DECIMAL_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _looks_like_flag(text: str) -> bool:
+  return text.startswith("-") and len(text) > 1 and not _DECIMAL_FLOAT.fullmatch(text)
+
+
+def _check_values(fv: flags.FlagValues, argv: list[str], command: str) -> None:
+  """Walks the flags as absl will read them, before it does.
+
+  A help flag counts only where a flag stands (`--steps -h` is not a request for help); a
+  flag's value that is itself a flag is refused naming the flag; integers are decimal
+  (absl would read `0x10` as 16 and `1_0` as 10) and fit in 64 bits; numbers are finite.
+
+  Raises:
+    _help.Help: `-h`/`--help` where a flag stands.
+    SxError: E-FORM-001 naming the flag and the value.
+  """
+  i = 0
+  while i < len(argv):
+    token = argv[i]
+    i += 1
+    if token in HELP_FLAGS:
+      raise _help.Help(_help.command_help(command, fv, _commands().get(command)))
+    if not _looks_like_flag(token):
+      continue
+    name, eq, value = token.lstrip("-").partition("=")
+    if name not in fv or fv[name].boolean:
+      continue  # absl reports an unknown flag; a boolean takes no separate value
+    shown = "--" + name.replace("_", "-")
+    if not eq:
+      if i >= len(argv):
+        continue  # absl says the value is missing
+      value = argv[i]
+      i += 1
+      if value in HELP_FLAGS or _looks_like_flag(value):
+        raise SxError("E-FORM-001", f"sexpgpu {command}: {shown} needs a value; found the "
+                      f"flag `{value}`", where=shown,
+                      fix=f"give {shown} its value, or write {shown}={value} if that is the "
+                      "value")
+    parser = fv[name].parser
+    what, example = None, "100"
+    if isinstance(parser, flags.IntegerParser):
+      if not _DECIMAL.fullmatch(value) or not -2**63 <= int(value[:25]) < 2**63:
+        what = "a decimal integer (digits 0-9, within 64 bits)"
+        try:  # 0x10, 0o20, 1_0: the decimal it would have been read as
+          example = str(int(value[:25], 0)) if len(value) <= 25 else example
+        except ValueError:
+          pass
+    elif isinstance(parser, flags.FloatParser):
+      if not _DECIMAL_FLOAT.fullmatch(value) or not math.isfinite(float(value)):
+        what = "a finite decimal number"
+    if what is not None:
+      shown_value = value if len(value) <= 40 else value[:40] + f"... ({len(value)} characters)"
+      raise SxError("E-FORM-001", f"sexpgpu {command}: {shown} is `{shown_value}`; it must be "
+                    + what, where=shown, fix=f"write {shown} {example}")
 
 
 def _sets(values: list[str]) -> list[tuple[str, str]]:
@@ -120,7 +182,7 @@ def cmd_run(argv: list[str]) -> int:
   fv = _run_flags()
   rest = _parse(fv, argv, "run")
   given = _one_file(rest, "run")
-  _STARTUP["status"] = fv.status if fv.status is not None else os.environ.get("SEXPGPU_STATUS")
+  _STARTUP["status"] = fv.status if fv.status is not None else env.get("SEXPGPU_STATUS")
   from sexpgpu.run.env import init_from_sets, run_options
   from sexpgpu.run.compile import compile_file
   from sexpgpu.run.loop import run_compiled
@@ -230,7 +292,8 @@ def cmd_check(argv: list[str]) -> int:
   path = _one_file(rest, "check")
   from sexpgpu.run.check import check
   from sexpgpu.run.env import check_variables
-  device = fv.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
+  device = env.parse_device(fv.device, "--device") if fv.device else env.parse_device(
+      env.get("SEXPGPU_DEVICE"))
   check_variables(device, ("SEXPGPU_DEVICE",) if fv.device else ())  # the parsers run uses
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
   sets = _sets(fv.set)
@@ -310,7 +373,7 @@ def _main(argv: list[str]) -> int:
     sys.stderr.write(SxError("E-FORM-001", f"unknown command `{command}`", where="the command line",
                              fix="commands: " + ", ".join(commands)).render() + "\n")
     return 1
-  if os.environ.get("SEXPGPU_DEBUG") != "1":
+  if not env.debug():
     # Standard error carries our lines alone: a library's object that fails while being
     # collected (an S3 connection closed under it, say) is not the user's concern.
     sys.unraisablehook = lambda unraisable: None
@@ -321,7 +384,7 @@ def _main(argv: list[str]) -> int:
     return 0
   except SxError as e:
     output.write(sys.stderr, e.render() + "\n")
-    if os.environ.get("SEXPGPU_DEBUG") == "1":
+    if env.debug():
       traceback.print_exc()
     return 1
   except KeyboardInterrupt:
@@ -337,7 +400,7 @@ def _status_path(argv: list[str]) -> str | None:
       return a.split("=", 1)[1]
     if a == "--status" and i + 1 < len(argv):
       return argv[i + 1]
-  return os.environ.get("SEXPGPU_STATUS") or None
+  return env.get("SEXPGPU_STATUS")
 
 
 def _stopped(e: _signals.Stopped) -> int:
