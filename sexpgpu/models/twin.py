@@ -1,5 +1,6 @@
-"""The Hugging Face twins of `std/gpt2` and `std/llama`: `.sx` parameter paths ↔ the twin's
-tensor names, its config.json, and what of a twin's folder does not fit.
+"""The Hugging Face twins of `std/gpt2`, `std/llama`, `std/mixtral` and `std/mamba`: `.sx`
+parameter paths ↔ the twin's tensor names, its config.json, and what of a twin's folder does
+not fit (Mixtral's and Mamba's tables are in `twin_families`).
 
 A model built from `std/gpt2` keeps its parameters under one root (`lm/gpt2/`): `wte`,
 `wpe`, `ln_f/…` and the layers stacked under `h/gpt2-block/…`; its twin `GPT2LMHeadModel`
@@ -13,45 +14,20 @@ a folder saved by a Flax twin (`kernel` transposed, `embedding`, `scale`) import
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import numpy as np
 
 from sexpgpu.errors import SxError
-from sexpgpu.ir.graph import Node, walk
+from sexpgpu.models import twin_families as families
+from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _layers, _literal, _scope_nodes,
+                                      rotary)
 
-FIX = ("build the model with (gpt2 tokens ...) from (require std/gpt2) or (llama tokens ...) "
-       "from (require std/llama), or export with --format safetensors, which keeps every "
-       "parameter under its .sx path")
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-  """One of the twin's tensors, as a parameter here holds it."""
-
-  name: str  # the twin's name; "{i}" stands for the layer
-  shape: tuple[int, ...]  # its shape here, one layer's (the twin's reversed when transposed)
-  layers: int | None  # stacked here over this many layers, else None
-  transposed: bool = False  # the twin keeps it transposed ([out in] for [in out])
-
-
-@dataclasses.dataclass(frozen=True)
-class Twin:
-  """A standard model's place in an experiment and its twin."""
-
-  kind: str  # "gpt2" or "llama"
-  root: str  # "lm/gpt2/"
-  config: dict  # the twin's config.json
-  positions: int  # the longest window: n_positions, max_position_embeddings
-  tensors: dict[str, Tensor]  # .sx path → its twin tensor
-  prefix: str  # the twin's base-model prefix, absent from some folders ("transformer.")
-  tied_head: bool  # the head is the token embedding (not saved as its own tensor)
-
-  @property
-  def architecture(self) -> str:
-    return self.config["architectures"][0]
+FIX = ("build the model with (gpt2 tokens ...) from (require std/gpt2), (llama tokens ...) "
+       "from (require std/llama), (mixtral tokens ...) from (require std/mixtral) or (mamba "
+       "tokens ...) from (require std/mamba), or export with --format safetensors, which keeps "
+       "every parameter under its .sx path")
 
 
 # --- GPT-2 ----------------------------------------------------------------------------------
@@ -195,23 +171,7 @@ def _llama(root: str, params: dict, graph) -> Twin:
 
   hidden = one("mlp/gate_proj/w", 1, 4 * width)
   kv_width = one("self_attn/k_proj/w", 1, width)
-  # the rotary table [context half] of the first rope (dh = 2·half), its base from the
-  # frequencies' exponent (-log(base)/half), the final norm's epsilon
-  context = half = base = None
-  eps = 1e-6
-  for node in _scope_nodes(graph, root):
-    if node.op == "cos" and "/rope" in node.scope and context is None and len(node.shape) == 2:
-      context, half = node.shape
-    if (node.op == "*" and "/rope" in node.scope and base is None and len(node.shape) == 1
-        and any(isinstance(i, float) and i < 0 for i in node.inputs)):
-      lit = next(i for i in node.inputs if isinstance(i, float))
-      base = float(f"{math.exp(-lit * node.shape[0]):.10g}")
-    eps = _literal(node, "/norm", "+", eps)
-  if context is None or base is None:
-    if layers:
-      raise SxError("E-EXPORT-001", "the llama model's rotary table cannot be read from its "
-                    "graph", where=root, fix=FIX)
-    context, half, base = 0, max(width // 2, 1), 10000.0
+  context, half, base, eps = rotary(graph, root, layers, width, "llama", FIX)
   dh = 2 * half
   heads, kv = width // dh, kv_width // dh
   d, v, i, k = width, vocab, hidden, kv * dh
@@ -256,8 +216,15 @@ def _llama_config_problems(t: Twin, theirs: dict) -> list[str]:
   return out
 
 
+# kind → (two paths under the model's root that say it is that kind, its twin, its config's
+# problems); a mixtral has a llama's anchors too, and is a mixtral
 KINDS = {"gpt2": (("wte", "wpe"), _gpt2, _gpt2_config_problems),
-         "llama": (("embed_tokens", "lm_head/w"), _llama, _llama_config_problems)}
+         "llama": (("embed_tokens", "lm_head/w"), _llama, _llama_config_problems),
+         "mixtral": (("embed_tokens", families.MIXTRAL_SCOPE + "block_sparse_moe/gate/w"),
+                     families.mixtral, families.mixtral_config_problems),
+         "mamba": (("embeddings", families.MAMBA_SCOPE + "mixer/A_log"), families.mamba,
+                   families.mamba_config_problems)}
+NAMES = "GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM or MambaForCausalLM"
 
 
 # --- finding a twin ---------------------------------------------------------------------------
@@ -281,18 +248,22 @@ def find(params: dict, graph: Any, what: str) -> Twin:
         root = path[:-len(first)]
         if root + second in params:
           found.append((kind, root))
+  mixtrals = {r for k, r in found if k == "mixtral"}
+  found = [(k, r) for k, r in found if not (k == "llama" and r in mixtrals)]
   if len(found) != 1:
     names = sorted(params)
-    kinds = ", ".join(f"{k} at {r or '/'}" for k, r in found)
-    raise SxError("E-EXPORT-001", f"{what}: the model is not one gpt2 or llama "
-                  f"({'no wte/wpe or embed_tokens/lm_head found' if not found else kinds}); "
-                  f"parameters with no place in GPT2LMHeadModel or LlamaForCausalLM: "
+    kinds = ", ".join(f"{k} at {r or '/'}" for k, r in found) or (
+        "no wte/wpe, embed_tokens/lm_head or embeddings found")
+    raise SxError("E-EXPORT-001", f"{what}: the model is not one gpt2, llama, mixtral or "
+                  f"mamba ({kinds}); "
+                  f"parameters with no place in {NAMES}: "
                   f"{', '.join(names[:12])}"
                   + (f" and {len(names) - 12} more" if len(names) > 12 else ""),
                   where=what, fix=FIX)
   kind, root = found[0]
   twin = KINDS[kind][1](root, params, graph)
-  want = {p: ((t.layers,) if t.layers else ()) + t.shape for p, t in twin.tensors.items()}
+  want = {p: ((t.layers,) if t.layers else ()) + ((t.experts,) if t.experts else ()) + t.shape
+          for p, t in twin.tensors.items()}
   extra = sorted(p for p in params if p not in want)
   wrong = sorted(f"{p} {list(params[p].full_shape)} (the twin's is {list(want[p])})"
                  for p in params if p in want and tuple(params[p].full_shape) != want[p])
@@ -324,38 +295,6 @@ def from_folder(twin: Twin, tensors: dict[str, np.ndarray], config: dict,
   return params, config_problems(twin, config) + problems
 
 
-def _differ(theirs: dict, ours: dict, keys) -> list[str]:
-  return [f"config.json {k} {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys
-          if theirs.get(k) != ours[k]]
-
-
-def _layers(params: dict, scope: str) -> int:
-  stacked = [p for path, p in params.items() if path.startswith(scope)]
-  return stacked[0].stack[0] if stacked and stacked[0].stack else 0
-
-
-def _scope_nodes(graph, root: str) -> list[Node]:
-  """The nodes under the model's scope, the bodies of repeats included."""
-  scope = root.rstrip("/")
-  out, todo = [], list(graph.nodes())
-  while todo:
-    n = todo.pop()
-    if n.scope.startswith(scope):
-      out.append(n)
-    if n.op == "repeat":
-      todo.extend(walk([n.attr("body").output]))
-  return out
-
-
-def _literal(node: Node, scope_end: str, op: str, default: float) -> float:
-  """The float operand of an `op` node in a scope ending `scope_end` (a norm's epsilon)."""
-  if node.op == op and node.scope.endswith(scope_end):
-    lits = [i for i in node.inputs if isinstance(i, float)]
-    if lits:
-      return lits[0]
-  return default
-
-
 # --- tensors both ways ------------------------------------------------------------------------
 
 def to_twin(twin: Twin, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -365,7 +304,8 @@ def to_twin(twin: Twin, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     value = np.asarray(params[path])
     layers = [value[i] for i in range(t.layers)] if t.layers is not None else [value]
     for i, v in enumerate(layers):
-      out[t.name.format(i=i)] = np.ascontiguousarray(v.T if t.transposed else v)
+      for e, w in enumerate([v[e] for e in range(t.experts)] if t.experts else [v]):
+        out[t.name.format(i=i, e=e)] = np.ascontiguousarray(w.T if t.transposed else w)
   return out
 
 
@@ -420,9 +360,10 @@ def from_twin(twin: Twin, tensors: dict[str, np.ndarray], where: str,
       if v is not None:
         out[path] = v
     else:
-      layers = [get(t.name.format(i=i), t.shape, t.transposed) for i in range(t.layers)]
-      if all(x is not None for x in layers):
-        out[path] = np.stack(layers)
+      layers = [[get(t.name.format(i=i, e=e), t.shape, t.transposed)
+                 for e in range(t.experts or 1)] for i in range(t.layers)]
+      if all(x is not None for one in layers for x in one):
+        out[path] = np.stack([np.stack(one) if t.experts else one[0] for one in layers])
   if tied and twin.root + "embed_tokens" in out:
     out[twin.root + "lm_head/w"] = np.ascontiguousarray(out[twin.root + "embed_tokens"].T)
   for key, full in names.items():
@@ -431,10 +372,10 @@ def from_twin(twin: Twin, tensors: dict[str, np.ndarray], where: str,
     if twin.tied_head and key in ("lm_head.weight", "lm_head.kernel"):
       v = np.asarray(tensors[full])
       v = v.T if key.endswith("kernel") else v
-      wte = out.get(twin.root + "wte")
+      wte = out.get(twin.root + twin.embed)
       if wte is not None and v.shape == wte.shape and np.array_equal(v, wte):
         continue  # the tied head, saved anyway
-      problems.append(f"{full}: an untied head there; gpt2 ties it to wte")
+      problems.append(f"{full}: an untied head there; {twin.kind} ties it to {twin.embed}")
       continue
     problems.append(f"{full}: {np.asarray(tensors[full]).dtype}"
                     f"{list(np.shape(tensors[full]))} there, no place here")

@@ -1,0 +1,102 @@
+"""What every Hugging Face twin shares: a tensor of the twin as a parameter here holds it, a
+standard model's place in an experiment, and the readers of a model's graph (its scope's
+nodes, a norm's epsilon, the rotary table) that the twins' tables use."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from sexpgpu.errors import SxError
+from sexpgpu.ir.graph import Node, walk
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One of the twin's tensors, as a parameter here holds it."""
+
+  name: str  # the twin's name; "{i}" stands for the layer
+  shape: tuple[int, ...]  # its shape here, one layer's (the twin's reversed when transposed)
+  layers: int | None  # stacked here over this many layers, else None
+  transposed: bool = False  # the twin keeps it transposed ([out in] for [in out])
+  experts: int | None = None  # stacked here over this many experts (after the layers);
+  # "{e}" in the name stands for the expert
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+  """A standard model's place in an experiment and its twin."""
+
+  kind: str  # "gpt2", "llama", "mixtral" or "mamba"
+  root: str  # "lm/gpt2/"
+  config: dict  # the twin's config.json
+  positions: int  # the longest window: n_positions, max_position_embeddings
+  tensors: dict[str, Tensor]  # .sx path → its twin tensor
+  prefix: str  # the twin's base-model prefix, absent from some folders ("transformer.")
+  tied_head: bool  # the head is the token embedding (not saved as its own tensor)
+  embed: str = "wte"  # the token embedding's path under the root (a tied head's twin)
+
+  @property
+  def architecture(self) -> str:
+    return self.config["architectures"][0]
+
+
+def _differ(theirs: dict, ours: dict, keys) -> list[str]:
+  return [f"config.json {k} {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys
+          if theirs.get(k) != ours[k]]
+
+
+def _layers(params: dict, scope: str) -> int:
+  stacked = [p for path, p in params.items() if path.startswith(scope)]
+  return stacked[0].stack[0] if stacked and stacked[0].stack else 0
+
+
+def _scope_nodes(graph, root: str) -> list[Node]:
+  """The nodes under the model's scope, the bodies of repeats included."""
+  scope = root.rstrip("/")
+  out, todo = [], list(graph.nodes())
+  while todo:
+    n = todo.pop()
+    if n.scope.startswith(scope):
+      out.append(n)
+    if n.op == "repeat":
+      todo.extend(walk([n.attr("body").output]))
+  return out
+
+
+def _literal(node: Node, scope_end: str, op: str, default: float) -> float:
+  """The float operand of an `op` node in a scope ending `scope_end` (a norm's epsilon)."""
+  if node.op == op and node.scope.endswith(scope_end):
+    lits = [i for i in node.inputs if isinstance(i, float)]
+    if lits:
+      return lits[0]
+  return default
+
+
+
+
+def rotary(graph, root: str, layers: int, width: int, kind: str,
+           fix: str) -> tuple[int, int, float, float]:
+  """(context, half, base, eps) of a model built on std/llama's attention: the rotary table
+  [context half] of the first rope (head width 2·half), its base read from the frequencies'
+  exponent (-log(base)/half), and the final norm's epsilon.
+
+  Raises:
+    SxError: E-EXPORT-001 when a model with layers has no rotary table in its graph.
+  """
+  context = half = base = None
+  eps = 1e-6
+  for node in _scope_nodes(graph, root):
+    if node.op == "cos" and "/rope" in node.scope and context is None and len(node.shape) == 2:
+      context, half = node.shape
+    if (node.op == "*" and "/rope" in node.scope and base is None and len(node.shape) == 1
+        and any(isinstance(i, float) and i < 0 for i in node.inputs)):
+      lit = next(i for i in node.inputs if isinstance(i, float))
+      base = float(f"{math.exp(-lit * node.shape[0]):.10g}")
+    eps = _literal(node, "/norm", "+", eps)
+  if context is None or base is None:
+    if layers:
+      raise SxError("E-EXPORT-001", f"the {kind} model's rotary table cannot be read from "
+                    "its graph", where=root, fix=fix)
+    context, half, base = 0, max(width // 2, 1), 10000.0
+  return context, half, base, eps
