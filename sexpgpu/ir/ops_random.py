@@ -3,8 +3,9 @@
 In a training step the key is a pure function of the seed, the step, the
 microbatch (and the layer, inside a repeat), so a run is the same twice and a
 resume is bitwise; each call site folds in its own number, so two draws differ.
-In passes and shape rules there is no run key: a pass draws from a key fixed
-per site, so an evaluation draws the same values each time it runs.
+A pass draws from a key fixed per batch of the pass (`lower.step.PassStep`), so
+an evaluation draws the same values each time it runs and its batches differ;
+shape rules, which have no key, draw from a fixed one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ _SITE = Attr("site", "int", internal=True)
 
 
 def key(ctx, site: int):
-  """The key of one call site: the run's (this microbatch's) key, or a fixed one in passes."""
+  """The key of one call site: the run's (this microbatch's or pass batch's) key, or a fixed
+  one where there is none (shape rules)."""
   base = ctx.rng if ctx.rng is not None else jax.random.key(0)
   return jax.random.fold_in(base, site)
 

@@ -368,6 +368,10 @@ class TrainStep:
 class PassStep:
   """All of a pass's metrics for one batch, in one jitted call (no dropout).
 
+  Random ops draw from a key fixed per batch of the pass (the batch's index folded into a
+  fixed key): an evaluation draws the same values each time it runs, and its batches draw
+  different ones.
+
   Its lowering rules are those of the platform its arguments live on (the run's
   device), not JAX's default backend: a `--device cpu` run on a GPU host keeps the
   CPU's rules in its passes.
@@ -386,8 +390,9 @@ class PassStep:
       self._fns[platform] = jax.jit(functools.partial(self._metrics, platform))
     return self._fns[platform]
 
-  def _metrics(self, platform, params, batch):
-    ctx = LowerCtx(self.precision, None, False, self.notes, platform)
+  def _metrics(self, platform, params, batch, index):
+    rng = jax.random.fold_in(jax.random.key(0), index)
+    ctx = LowerCtx(self.precision, rng, False, self.notes, platform)
     return {name: run_graph(g, params, batch, ctx)["out"].astype(jnp.float32)
             for name, g in self.graphs.items()}
 
@@ -408,18 +413,21 @@ class PassStep:
 
   def compile(self, params, batch):
     """Compiles the pass for abstract inputs; later calls use the executable."""
-    self._exec = self._fn(self.platform_of(params, batch)).lower(params, batch).compile()
+    self._exec = self._fn(self.platform_of(params, batch)).lower(params, batch,
+                                                                 jnp.int32(0)).compile()
     return self._exec
 
   def lowered_for_cuda(self, params, batch):
     """The pass as a CUDA run lowers it, on any machine: the jax Lowered."""
     from sexpgpu.lower.cuda_target import lower_for_cuda
-    return lower_for_cuda(self._fn("gpu"), params, batch)
+    return lower_for_cuda(self._fn("gpu"), params, batch, jnp.int32(0))
 
-  def __call__(self, params, batch):
+  def __call__(self, params, batch, index=0):
+    """The metrics of batch number `index` of the pass (its random draws' key)."""
+    index = jnp.int32(index)
     if self._exec is not None:
-      return self._exec(params, batch)
-    return self._fn(self.platform_of(params, batch))(params, batch)
+      return self._exec(params, batch, index)
+    return self._fn(self.platform_of(params, batch))(params, batch, index)
 
 
 def init_state(params: dict, optimizer: optax.GradientTransformation) -> dict:

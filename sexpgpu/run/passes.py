@@ -63,7 +63,7 @@ class Passes:
       sums: dict[str, Any] = {}
       for i in range(p.batches):
         batch = place.replicate(loader.batch(i))
-        vals = training.pass_steps[name](state["params"], batch)
+        vals = training.pass_steps[name](state["params"], batch, i)
         for mname, v in vals.items():
           sums[mname] = v if mname not in sums else sums[mname] + v
       # host sync: the progress line needs the numbers
