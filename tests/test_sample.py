@@ -245,7 +245,9 @@ def _losses(path):
   return [e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"]
 
 
-def test_defsample_writes_sample_events_and_leaves_the_losses_bitwise(tmp_path, capsys):
+def test_defsample_writes_sample_events_and_leaves_the_losses_bitwise(tmp_path, capsys,
+                                                                      monkeypatch):
+  monkeypatch.setenv("COLUMNS", "24")  # the continuation is cut to the terminal's width
   plain, with_sample = str(tmp_path / "plain.sx"), str(tmp_path / "story.sx")
   with open(plain, "w") as f:
     f.write(SX.replace(":steps 1", ":steps 12"))
@@ -256,6 +258,9 @@ def test_defsample_writes_sample_events_and_leaves_the_losses_bitwise(tmp_path, 
     assert main(["run", path, "--metrics", f"jsonl:{tmp_path / m}"]) == 0
   err = capsys.readouterr().err
   assert "story: step 5/12 loss " in err and "| story/tokens-per-s " in err
+  shown = [x for x in err.splitlines() if x.startswith('story: "')]
+  assert [x.split(" →")[0] for x in shown] == ['story: "1 2 3"', 'story: "4"'] * 3
+  assert all(len(x) <= 24 for x in shown) and any(x.endswith("…") for x in shown)
   assert _losses(tmp_path / "a.jsonl") == _losses(tmp_path / "b.jsonl")
   assert main(["check", with_sample]) == 0
   assert "story: :fn lm :every 5 :tokens 4 2 prompts, incremental decoding" in \
@@ -295,3 +300,14 @@ def test_a_sample_event_is_text_for_tensorboard_and_mlflow():
   event = {"kind": "sample", "step": 5, "name": "story", "prompt": "Once", "text": " upon",
            "ids": [7], "path": "incremental", "slug": "s", "time": 0.0}
   assert texts(event) == [("sample/story", "Once →  upon")] and scalars(event) == []
+
+
+def test_a_sample_line_is_one_line_cut_to_the_width(monkeypatch):
+  from sexpgpu.run import output
+  line = output.sample_line("story", "Once\nupon", "a time\n\nthere  was a lighthouse", 40)
+  assert line == 'story: "Once upon" → a time there was a…' and len(line) == 40
+  assert output.sample_line("s", "1", "2 3", 40) == 's: "1" → 2 3'
+  monkeypatch.setenv("COLUMNS", "57")
+  assert output.width() == 57
+  monkeypatch.delenv("COLUMNS")
+  assert output.width() == output.LOG_WIDTH  # pytest's stderr is no terminal

@@ -77,6 +77,29 @@ def progress_line(pass_name: str, step: int, steps: int, loss: float | None,
           f"{seconds:.1f}s")
 
 
+# The width a sample's line is cut to when standard error is no terminal and COLUMNS is unset.
+LOG_WIDTH = 100
+
+
+def width() -> int:
+  """The columns of standard error's terminal (COLUMNS wins), else LOG_WIDTH."""
+  try:
+    return max(20, int(os.environ["COLUMNS"]))
+  except (KeyError, ValueError):
+    pass
+  try:
+    return max(20, os.get_terminal_size(sys.stderr.fileno()).columns)
+  except (OSError, ValueError, AttributeError):
+    return LOG_WIDTH
+
+
+def sample_line(name: str, prompt: str, text: str, columns: int) -> str:
+  """A defsample's continuation on one line: `story: "Once upon" → a time there…`, its
+  whitespace runs as one space, cut to `columns` (the whole text is in the metrics)."""
+  line = f'{name}: "{" ".join(prompt.split())}" → {" ".join(text.split())}'
+  return line if len(line) <= columns else line[:columns - 1] + "…"
+
+
 def _med_p90(xs: list[float]) -> tuple[float, float]:
   ys = sorted(xs)
   p90 = ys[min(len(ys) - 1, int(round(0.9 * (len(ys) - 1))))]

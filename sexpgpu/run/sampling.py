@@ -63,19 +63,24 @@ class Samplers:
       if s.compiled is None:  # once: the tokens a second are the decoding's, not XLA's
         s.compiled = s.decoder.decode.lower(*calls[0]).compile()
       t = time.perf_counter()
-      made = 0
+      made, lines = 0, []
       for ids, args in zip(s.prompts, calls):
         got = np.asarray(place.host(s.compiled(*args)))
         got = [int(i) for i in got]
         made += len(got)
-        metrics.emit("sample", step=step, name=d.name, prompt=self._words(ids),
-                     text=self._words(got), ids=got, path=s.decoder.path)
+        prompt, text = self._words(ids), self._words(got)
+        metrics.emit("sample", step=step, name=d.name, prompt=prompt, text=text, ids=got,
+                     path=s.decoder.path)
+        lines.append((prompt, text))
       dt = time.perf_counter() - t
       values = {f"{d.name}/tokens-per-s": made / max(dt, 1e-9)}
       since = (0.0 if progress.t_first_step is None
                else time.perf_counter() - progress.t_first_step)
       log(output.progress_line(d.name, step, steps, progress.train_loss, values,
                                progress.counters["records"], since))
+      columns = output.width()
+      for prompt, text in lines:
+        log(output.sample_line(d.name, prompt, text, columns))
 
   def _words(self, ids: list[int]) -> str:
     return self.tok.decode(ids) if self.tok is not None else " ".join(map(str, ids))
