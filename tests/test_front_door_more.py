@@ -168,3 +168,29 @@ def test_help_still_answers_where_a_flag_stands_and_negative_numbers_are_values(
   fv = _run_flags()
   assert _parse(fv, ["--steps", "+12", "--eval-every=007", "x.sx"], "run") == ["x.sx"]
   assert (fv.steps, fv.eval_every) == (12, 7)
+
+
+# --- a fixed stacking degree ---------------------------------------------------------------
+
+def test_a_stacking_degree_that_does_not_divide_is_e_env_001_before_any_compile(
+    capsys, monkeypatch, tmp_path):
+  monkeypatch.setenv("SEXPGPU_STACKING", "3")
+  monkeypatch.chdir(tmp_path)
+  code, out, err = _cli(capsys, "run", os.path.join(CONFIGS, "tiny-lm.sx"), "--steps", "2",
+                        "--metrics", f"jsonl:{tmp_path / 'm.jsonl'}")
+  assert code == 1
+  assert ("error[E-ENV-001]: SEXPGPU_STACKING=3 does not divide the 2 microbatches each rank "
+          "runs in a step\n  --> SEXPGPU_STACKING\n   = fix: unset it (auto), or use a divisor: "
+          "SEXPGPU_STACKING=2, SEXPGPU_STACKING=1\n") in err
+
+
+def test_check_fixed_names_every_divisor():
+  from sexpgpu.run.plan import check_fixed
+  check_fixed(3, 6)
+  with pytest.raises(SxError) as e:
+    check_fixed(4, 6)
+  assert e.value.fix.endswith("SEXPGPU_STACKING=6, SEXPGPU_STACKING=3, SEXPGPU_STACKING=2, "
+                              "SEXPGPU_STACKING=1")
+  with pytest.raises(SxError) as e:
+    check_fixed(2, 1)
+  assert "the 1 microbatch each rank" in e.value.message

@@ -55,6 +55,22 @@ def _ms(s: float) -> str:
   return f"{s * 1e3:.1f} ms"
 
 
+def check_fixed(fixed: int, k_per_rank: int) -> None:
+  """Refuses a fixed stacking degree (SEXPGPU_STACKING) that does not divide the microbatches
+  each rank runs in a step, before any step is compiled at it.
+
+  Raises:
+    SxError: E-ENV-001 naming the variable and the degrees that divide.
+  """
+  if fixed >= 1 and k_per_rank % fixed == 0:
+    return
+  works = ", ".join(f"SEXPGPU_STACKING={d}" for d in divisors(k_per_rank))
+  raise SxError("E-ENV-001", f"SEXPGPU_STACKING={fixed} does not divide the {k_per_rank} "
+                f"microbatch{'es' if k_per_rank != 1 else ''} each rank runs in a step",
+                where="SEXPGPU_STACKING",
+                fix=f"unset it (auto), or use a divisor: {works}")
+
+
 def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mapping[int, float],
                     measured: Mapping[int, float] | None, remembered: int | None,
                     fixed: int | None, can_measure: bool = True,
@@ -90,10 +106,7 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
     SxError: E-ENV-001 when `fixed` does not divide k_per_rank.
   """
   if fixed is not None:
-    if fixed < 1 or k_per_rank % fixed:
-      raise SxError("E-ENV-001", f"SEXPGPU_STACKING={fixed} does not divide the {k_per_rank} "
-                    "microbatches per rank", where="SEXPGPU_STACKING",
-                    fix="use a divisor of :microbatches per rank, or auto")
+    check_fixed(fixed, k_per_rank)
     note = "" if fits.get(fixed, True) else ", beyond the plan"
     return fixed, "fixed", f"{fixed}: SEXPGPU_STACKING{note}"
   cands = [d for d in divisors(k_per_rank) if fits.get(d, False)]
@@ -386,6 +399,8 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
     SxError: E-MEM-001 when no degree fits.
   """
   per_rank = training.k // training.ranks
+  if fixed is not None:
+    check_fixed(fixed, per_rank)
   degrees = [fixed] if fixed is not None else sorted(divisors(per_rank), reverse=True)
   params = training.place_abstract(state, stage)["params"]
   pass_execs = {f"pass {n}": s.compile(params, training.place.abstract(
