@@ -62,3 +62,9 @@ def combines(n: int) -> int:
   if n < 2:
     return 0
   return n // 2 + combines(n // 2) + (n + 1) // 2 - 1
+
+
+def interleaved(n: int) -> int:
+  """How many elements `lax.associative_scan` interleaves over n elements: each level of
+  its recursion joins its even and odd results by one addition an element."""
+  return 0 if n < 2 else n + interleaved(n // 2)

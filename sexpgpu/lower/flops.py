@@ -12,7 +12,7 @@ import re
 from typing import Callable
 
 from sexpgpu.ir.graph import Graph, Node, body_nodes, walk
-from sexpgpu.ir.ops_scan import combines
+from sexpgpu.ir.ops_scan import combines, interleaved
 from sexpgpu.ir.shapes import np_dtype
 
 
@@ -100,7 +100,12 @@ def _trips(node: Node) -> int:
 
 
 def _scan(node: Node) -> int:
-  return _trips(node) * _count(body_nodes(node))
+  flops = _trips(node) * _count(body_nodes(node))
+  if node.op == "associative-scan":  # and an addition an element to interleave each level
+    n = node.inputs[0].shape[node.attr("axis")]
+    flops += interleaved(n) * sum(math.prod(s) // n for d, s in node.attr("types")
+                                  if d != "bool")
+  return flops
 
 
 def _per_element(k: int):
@@ -193,16 +198,16 @@ def _backward_nodes(nodes, needs: dict[int, bool]) -> int:
     ins = [i for i in node.inputs if isinstance(i, Node)]
     if node.op == "param":
       needs[node.uid] = True
-    elif node.op in ("input", "carry"):
-      needs[node.uid] = node.op == "carry"
+    elif node.op in ("input", "carry"):  # a body's argument: as its body set it
+      needs[node.uid] = needs.get(node.uid, node.op == "carry")
     elif node.op == "repeat":
       body = node.attr("body")
       inner = {body.carry.uid: True}
       total += node.attr("n") * _backward([body.output], inner)
       needs[node.uid] = True
     elif node.op in ("scan", "associative-scan"):  # its function's backward, once a trip
-      inner = dict(needs)
-      total += _trips(node) * _backward_nodes(body_nodes(node), inner)
+      f, inner = _scan_backward(node, needs)
+      total += _trips(node) * f
       needs[node.uid] = any(inner.get(r.uid, False) for r in node.attr("body").results)
     else:
       flags = [needs.get(i.uid, False) for i in ins]
@@ -213,6 +218,29 @@ def _backward_nodes(nodes, needs: dict[int, bool]) -> int:
       elif any(flags):
         total += 2 * f if node.op in ("sdpa", "einsum") else f
   return total
+
+
+def _scan_backward(node: Node, needs: dict[int, bool]) -> tuple[int, dict[int, bool]]:
+  """(the backward flops of one trip of a scan's function, what needs a gradient in it).
+
+  An argument needs one where its operand does; a carry also where the function makes its
+  next value from one that does (a parameter read at every position)."""
+  body, k = node.attr("body"), node.attr("carries")
+  ops = node.inputs[:node.attr("operands")]
+  if node.op == "scan":
+    flags = [needs.get(i.uid, False) for i in ops]
+  else:  # both arguments of a combination are elements of the operands
+    flags = [needs.get(i.uid, False) for i in ops] * 2
+  while True:
+    inner = dict(needs)
+    inner.update({a.uid: f for a, f in zip(body.args, flags)})
+    f = _backward_nodes(body_nodes(node), inner)
+    out = [inner.get(r.uid, False) for r in body.results]
+    grown = [a or b for a, b in zip(flags, out[:k] + flags[k:])] if node.op == "scan" else \
+        [a or b for a, b in zip(flags, out + out)]
+    if grown == flags:
+      return f, inner
+    flags = grown
 
 
 def train_flops(graph: Graph, microbatches: int) -> int:
