@@ -99,14 +99,39 @@ def _quote(loc: Loc) -> list[str]:
   src_lines = text.split("\n")
   if not 1 <= loc.line <= len(src_lines):
     return []
-  line = src_lines[loc.line - 1]
+  line = src_lines[loc.line - 1].rstrip("\r")
   num = str(loc.line)
   pad = " " * (len(num) + 1)
+  start = max(0, min(loc.col - 1, len(line)))
   if loc.end_line == loc.line and loc.end_col > loc.col:
     width = loc.end_col - loc.col
   else:
-    width = max(1, len(line) - (loc.col - 1))
-  return [f"{pad}|", f"{num} | {line}", f"{pad}| {' ' * (loc.col - 1)}{'^' * width}"]
+    width = max(1, len(line) - start)
+  shown, caret_at, width = _window(line, start, width)
+  return [f"{pad}|", f"{num} | {shown}", f"{pad}| {' ' * caret_at}{'^' * width}"]
+
+
+# A quoted line longer than this is cut around the error's column, as rustc cuts it.
+QUOTE_WIDTH = 100
+_BEFORE = 40  # characters kept before the column when a line is cut
+
+
+def _window(line: str, start: int, width: int) -> tuple[str, int, int]:
+  """The part of `line` to quote: (text, where the caret starts in it, the caret's width).
+
+  A line up to QUOTE_WIDTH characters is quoted whole; a longer one is cut to QUOTE_WIDTH
+  characters around `start`, each cut side marked `...`, and the caret is clipped to what
+  is shown.
+  """
+  if len(line) <= QUOTE_WIDTH:
+    return line, start, max(1, width)
+  lo = max(0, start - _BEFORE)
+  hi = min(len(line), lo + QUOTE_WIDTH)
+  lo = max(0, hi - QUOTE_WIDTH)
+  head = "..." if lo > 0 else ""
+  tail = "..." if hi < len(line) else ""
+  return (head + line[lo:hi] + tail, len(head) + start - lo,
+          max(1, min(width, hi - start)))
 
 
 def nearest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

@@ -194,3 +194,41 @@ def test_check_fixed_names_every_divisor():
   with pytest.raises(SxError) as e:
     check_fixed(2, 1)
   assert "the 1 microbatch each rank" in e.value.message
+
+
+# --- long source lines in an error ---------------------------------------------------------
+
+def _caret_under(rendered: str) -> tuple[str, str]:
+  """The quoted source line and the text its caret marks."""
+  lines = rendered.split("\n")
+  i = next(i for i, l in enumerate(lines) if l.strip().startswith("|") and "^" in l)
+  src, caret = lines[i - 1], lines[i]
+  src_text = src.split(" | ", 1)[1]
+  marks = caret.split("| ", 1)[1]
+  start = len(marks) - len(marks.lstrip(" "))
+  return src_text, src_text[start:start + len(marks.strip())]
+
+
+def test_a_long_line_is_cut_around_the_column_and_the_caret_stays_on_the_name():
+  filler = " ".join(["(+ 1 2)"] * 60)
+  text = _config("tiny-lm.sx", "(next-token-loss (lm (lm-inputs t)) t)",
+                 f"(do {filler} (next-token-los (lm (lm-inputs t)) t) {filler})")
+  err = _compile_error(text)
+  src, marked = _caret_under(str(err))
+  assert marked == "next-token-los"
+  assert src.startswith("...") and src.endswith("...") and len(src) == 106
+  assert err.location.col > 400  # the column is still the true one
+
+
+def test_the_start_and_end_of_a_long_line_are_cut_on_one_side_only():
+  from sexpgpu.errors import Loc, register_source
+  line = "(def a " + "1" * 300 + ") ; " + "x" * 200
+  register_source("long.sx", line + "\r\n")
+  first = SxError("E-FORM-001", "m", location=Loc("long.sx", 1, 2, 1, 5))
+  src, marked = _caret_under(str(first))
+  assert marked == "def" and src == line[:100] + "..."
+  last = SxError("E-FORM-001", "m", location=Loc("long.sx", 1, len(line) - 9))
+  src, marked = _caret_under(str(last))
+  assert src == "..." + line[-100:] and marked == "x" * 10
+  short = SxError("E-FORM-001", "m", location=Loc("long.sx", 1, 8, 1, 11))
+  assert "1 | " + line[:100] + "...\n" in str(short)
