@@ -54,7 +54,8 @@ def _xent_fwd(h, w, targets, weights, chunks, ct):
   (m, s, picked), _ = jax.lax.scan(step, init, (wcs, jnp.arange(chunks)))
   lse = m + jnp.log(s)
   wts = weights.reshape(-1)
-  loss = jnp.sum((lse - picked) * wts) / jnp.maximum(jnp.sum(wts), 1.0)
+  # as cross-entropy's reference: no true position in :mask is NaN, not a perfect 0.0
+  loss = jnp.sum((lse - picked) * wts) / jnp.sum(wts)
   return loss, (h, w, targets, weights, lse)  # residuals: per-row lse, never the logits
 
 
