@@ -40,6 +40,10 @@ def _modules(pkg: str = PKG) -> dict[str, str]:
 
 
 MODULES = _modules()
+# The Pallas kernels live in third_party/kernels/ at the repository's root and are installed as
+# sexpgpu.lower.kernels (pyproject.toml's package-dir): checked under that name, in lower's layer.
+MODULES.update({"sexpgpu.lower." + m: p for m, p in
+                _modules(os.path.join(ROOT, "third_party", "kernels")).items()})
 
 
 def _resolve(name: str, level: int, here: str, is_pkg: bool) -> str:
