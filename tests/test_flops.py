@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from sexpgpu.errors import SxError
+from sexpgpu.ir import ops_scan
 from sexpgpu.ir.graph import Node
 from sexpgpu.ir.ops import DTYPES, LowerCtx
 from sexpgpu.lower import interp, registry
@@ -25,8 +26,10 @@ CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, 
 @pytest.fixture()
 def xla_sees_every_trip(monkeypatch):
   """XLA's cost analysis counts a loop's body once: unroll every repeat (remat or not) and
-  lower the chunked cross-entropy by its reference, so XLA counts each trip as the IR does."""
+  every scan, and lower the chunked cross-entropy by its reference, so XLA counts each trip
+  as the IR does."""
   monkeypatch.setattr(interp, "UNROLL_MAX", 10 ** 6)
+  monkeypatch.setattr(ops_scan, "UNROLL", True)
   attr = Node.attr
   monkeypatch.setattr(Node, "attr", lambda self, name, default=None:
                       False if name == "remat" else attr(self, name, default))

@@ -16,7 +16,9 @@ def test_every_op_has_every_rule():
 
 @pytest.mark.parametrize("table,op", [(flops.FLOPS, "cumsum"), (decode.DECODE, "conv"),
                                       (prims.BUILTINS, "top-k"), (flops.FLOPS, "matmul"),
-                                      (decode.DECODE, "sdpa")])
+                                      (decode.DECODE, "sdpa"), (flops.FLOPS, "scan"),
+                                      (decode.DECODE, "associative-scan"),
+                                      (prims.BUILTINS, "scan")])
 def test_a_missing_rule_is_a_gap(monkeypatch, table, op):
   monkeypatch.delitem(table, op)
   found = gaps()

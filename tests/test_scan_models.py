@@ -33,6 +33,14 @@ ASSOC = HEAD + """(defn lm [tokens]
                                 :axis 1)]
     (head (+ h s))))"""
 
+# a scan inside a repeat: its parameters stacked per layer, shared over positions
+IN_REPEAT = HEAD + """(defn layer [e]
+  (let [[_ hs] (scan (fn [h x] (let [n (tanh (+ (matmul h (param w [16 16] :init (normal 0.3)))
+                                                x))] [n n]))
+                     (zeros [(dim e 0) 16]) e :axis 1)]
+    (+ e hs)))
+(defn lm [tokens] (head (repeat 2 layer (embed tokens))))"""
+
 
 @pytest.fixture(scope="module")
 def gru_run(tmp_path_factory):
@@ -74,20 +82,23 @@ def _perturbed(c):
           for i, (k, v) in enumerate(sorted(init_params(2, c.params).items()))}
 
 
-@pytest.fixture(scope="module", params=["scan", "associative-scan"])
+@pytest.fixture(scope="module", params=["scan", "associative-scan", "scan-in-repeat"])
 def model(request):
   if request.param == "scan":
     c, fn = compile_file(GRU), "gru-lm"
   else:
-    c, fn = compile_source(ASSOC, "assoc.sx"), "lm"
+    c, fn = compile_source(ASSOC if request.param == "associative-scan" else IN_REPEAT,
+                           "model.sx"), "lm"
+    if request.param == "scan-in-repeat":
+      assert c.params["lm/repeat/layer/w"].full_shape == (2, 16, 16)
   return request.param, c, fn, _perturbed(c)
 
 
 def test_the_plan_names_the_carry(model):
   name, c, fn, _ = model
   text = decode.explain(source.logits_graph(c, fn, W), W)
-  role = {"scan": "scan carry kept (carry)",
-          "associative-scan": "running combination kept (carry)"}[name]
+  role = {"associative-scan": "running combination kept (carry)"}.get(
+      name, "scan carry kept (carry)")
   assert text.startswith("decode: incremental") and "carries kept 1" in text
   assert text.count(role) == 1, text
 
