@@ -59,7 +59,7 @@ def permanent(e: BaseException) -> bool:
 
 def deadline_s() -> float:
   """SEXPGPU_REMOTE_TIMEOUT (parsed by its one parser), default 300 s."""
-  from sexpgpu.devices.env import remote_timeout  # pylint: disable=import-outside-toplevel
+  from sexpgpu.env import remote_timeout  # pylint: disable=import-outside-toplevel
   return remote_timeout()
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import ROOT
 from sexpgpu.cli.main import main
-from sexpgpu.devices import doctor, env
+from sexpgpu import env
+from sexpgpu.devices import doctor
 from sexpgpu.errors import SxError
 from sexpgpu.run import devices as run_devices
 from sexpgpu.run import env as run_env
@@ -182,7 +183,7 @@ def test_rendezvous_timeout():
 
 
 def test_env_module_does_not_import_jax():
-  code = ("import sys; import sexpgpu.devices.env, sexpgpu.devices.memory, "
+  code = ("import sys; import sexpgpu.env, sexpgpu.devices.memory, "
           "sexpgpu.devices.nodes, sexpgpu.devices.report; print('jax' in sys.modules)")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "False"

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 from sexpgpu.cli.main import main
 from sexpgpu.data import LoaderSpec, make_loader
-from sexpgpu.devices import env as denv
+from sexpgpu import env as denv
 from sexpgpu.errors import SxError
 from sexpgpu.paths import cache_dir, usable_cache_dir
 from sexpgpu.reader.read import INT_LIMIT, parse_int, read_text

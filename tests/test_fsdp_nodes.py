@@ -143,7 +143,8 @@ import json, os, sys
 import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from sexpgpu.devices import env, nodes
+from sexpgpu import env
+from sexpgpu.devices import nodes
 from sexpgpu.ckpt import CheckpointStore
 
 rank, port, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -15,7 +15,8 @@ from sexpgpu.devices import nodes
 # One node: parse the variables, join, compare, then one all-reduce over gloo.
 WORKER = r"""
 import json, os, sys
-from sexpgpu.devices import env, nodes
+from sexpgpu import env
+from sexpgpu.devices import nodes
 from sexpgpu.errors import SxError
 try:
   cfg = env.parse_nodes(os.environ, "cpu")

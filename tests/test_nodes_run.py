@@ -290,7 +290,8 @@ def test_a_node_killed_ends_the_survivor_with_e_dp_007_then_both_resume(
 # The watchdog told by the relay that node 0 left, in a process of its own (it exits).
 LEFT = r"""
 import sys, time
-from sexpgpu.devices import env, nodes
+from sexpgpu import env
+from sexpgpu.devices import nodes
 nodes.LEFT_GRACE_S = 0.5
 wd = nodes.Watchdog(env.NodeConfig(nodes=2, rank=1, host="127.0.0.1", port=9),
                     60, lambda err: print("status failed", err.code, flush=True))

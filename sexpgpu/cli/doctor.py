@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 
 from absl import flags
 
+from sexpgpu import env
 from sexpgpu.errors import SxError
 
 # Every command's start reads this module's COMMANDS: what the checks need (fsspec, orbax)
@@ -24,7 +25,7 @@ def check_checkpoints(environ: Mapping[str, str]) -> list:
   from sexpgpu.ckpt.store import CheckpointStore
   from sexpgpu.ckpt.where import is_remote, scrub
   from sexpgpu.devices.doctor import Check, check_endpoint, from_error
-  loc = environ.get("SEXPGPU_CHECKPOINT_DIR")
+  loc = env.get("SEXPGPU_CHECKPOINT_DIR", environ)
   if not loc:
     return [Check("ok", "checkpoints", "SEXPGPU_CHECKPOINT_DIR unset: none written")]
   out = []
@@ -104,10 +105,8 @@ def cmd_doctor(argv: list[str]) -> int:
   if rest:
     raise SxError("E-FORM-001", f"sexpgpu doctor takes no file, given {' '.join(rest)}",
                   where="the command line", fix="sexpgpu doctor --device cuda")
-  device = fv.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
-  if device not in ("cpu", "cuda"):
-    raise SxError("E-DEV-001" if fv.device else "E-ENV-001", f"device `{device}` is not cpu or "
-                  "cuda", where="--device" if fv.device else "SEXPGPU_DEVICE", fix="cpu or cuda")
+  device = (env.parse_device(fv.device, "--device") if fv.device
+            else env.parse_device(env.get("SEXPGPU_DEVICE")))
   return doctor(device)
 
 

@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import flags  # noqa: E402
 
+from sexpgpu import env  # noqa: E402
 from sexpgpu.cli import help as _help  # noqa: E402
 from sexpgpu.errors import SxError  # noqa: E402
 from sexpgpu.lang.blame import guarded  # noqa: E402
@@ -181,7 +182,7 @@ def cmd_run(argv: list[str]) -> int:
   fv = _run_flags()
   rest = _parse(fv, argv, "run")
   given = _one_file(rest, "run")
-  _STARTUP["status"] = fv.status if fv.status is not None else os.environ.get("SEXPGPU_STATUS")
+  _STARTUP["status"] = fv.status if fv.status is not None else env.get("SEXPGPU_STATUS")
   from sexpgpu.run.env import init_from_sets, run_options
   from sexpgpu.run.compile import compile_file
   from sexpgpu.run.loop import run_compiled
@@ -291,7 +292,8 @@ def cmd_check(argv: list[str]) -> int:
   path = _one_file(rest, "check")
   from sexpgpu.run.check import check
   from sexpgpu.run.env import check_variables
-  device = fv.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
+  device = env.parse_device(fv.device, "--device") if fv.device else env.parse_device(
+      env.get("SEXPGPU_DEVICE"))
   check_variables(device, ("SEXPGPU_DEVICE",) if fv.device else ())  # the parsers run uses
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
   sets = _sets(fv.set)
@@ -371,7 +373,7 @@ def _main(argv: list[str]) -> int:
     sys.stderr.write(SxError("E-FORM-001", f"unknown command `{command}`", where="the command line",
                              fix="commands: " + ", ".join(commands)).render() + "\n")
     return 1
-  if os.environ.get("SEXPGPU_DEBUG") != "1":
+  if not env.debug():
     # Standard error carries our lines alone: a library's object that fails while being
     # collected (an S3 connection closed under it, say) is not the user's concern.
     sys.unraisablehook = lambda unraisable: None
@@ -382,7 +384,7 @@ def _main(argv: list[str]) -> int:
     return 0
   except SxError as e:
     output.write(sys.stderr, e.render() + "\n")
-    if os.environ.get("SEXPGPU_DEBUG") == "1":
+    if env.debug():
       traceback.print_exc()
     return 1
   except KeyboardInterrupt:
@@ -398,7 +400,7 @@ def _status_path(argv: list[str]) -> str | None:
       return a.split("=", 1)[1]
     if a == "--status" and i + 1 < len(argv):
       return argv[i + 1]
-  return os.environ.get("SEXPGPU_STATUS") or None
+  return env.get("SEXPGPU_STATUS")
 
 
 def _stopped(e: _signals.Stopped) -> int:

@@ -9,6 +9,7 @@ import sys
 from absl import flags
 
 from sexpgpu.cli.main import _parse, _selection_flags, _sets
+from sexpgpu import env
 from sexpgpu.errors import SxError
 from sexpgpu.lang.blame import guarded
 from sexpgpu.run import output
@@ -37,7 +38,7 @@ def _restored(path: str, fv, command: str):
                   where="the command line",
                   fix=f"sexpgpu {command} {path} --resume runs/<slug>/<step> ...")
   c = _compile(path, fv)
-  where = fv.checkpoint_dir if fv.checkpoint_dir is not None else os.environ.get(
+  where = fv.checkpoint_dir if fv.checkpoint_dir is not None else env.get(
       "SEXPGPU_CHECKPOINT_DIR")
   step_dir = source.step_dir_of(fv.resume, where, c.slug)
   params, meta = source.checkpoint_params(step_dir)

@@ -22,7 +22,7 @@ import tempfile
 import urllib.parse
 from typing import Mapping
 
-from sexpgpu.devices import env as denv
+from sexpgpu import env as denv
 from sexpgpu.errors import SxError
 from sexpgpu.paths import cache_dir
 
@@ -389,7 +389,7 @@ def check_lib(device: str, name: str, stem: str) -> Check:
 
 
 def check_devices(device: str, environ: Mapping[str, str]) -> Check:
-  value = environ.get("SEXPGPU_DEVICES")
+  value = denv.get("SEXPGPU_DEVICES", environ)
   visible = gpu_count() if device == "cuda" else denv.cpu_visible(environ)
   if device == "cuda" or value:
     try:
@@ -414,10 +414,10 @@ def check_nodes(device: str, environ: Mapping[str, str]) -> list[Check]:
     out.append(Check("ok", "SEXPGPU_RENDEZVOUS_TIMEOUT", f"{denv.rendezvous_timeout(environ):g} s"))
   except SxError as e:
     out.append(from_error("SEXPGPU_RENDEZVOUS_TIMEOUT", e))
-  if environ.get("SEXPGPU_MEMORY"):
+  if denv.get("SEXPGPU_MEMORY", environ):
     try:
       out.append(Check("ok", "SEXPGPU_MEMORY",
-                       f"plans against {denv.parse_memory(environ['SEXPGPU_MEMORY'])} bytes"))
+                       f"plans against {denv.parse_memory(denv.get('SEXPGPU_MEMORY', environ))} bytes"))
     except SxError as e:
       out.append(from_error("SEXPGPU_MEMORY", e))
   return out

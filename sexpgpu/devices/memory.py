@@ -204,8 +204,9 @@ def refuse(plan: Plan, knobs_hint: Sequence[str] | str = ()) -> SxError:
                 f"({human(short)} short)", where=f"the memory plan (peak in {plan.peak_at})",
                 fix="shrink it: " + "; ".join(hints + list(SHRINK)))
   err.with_note("parts", plan.parts_text())
-  if os.environ.get("SEXPGPU_MEMORY"):
-    err.with_note("free", f"SEXPGPU_MEMORY={os.environ['SEXPGPU_MEMORY']} plans against a "
+  from sexpgpu.env import get as env_get
+  if env_get("SEXPGPU_MEMORY"):
+    err.with_note("free", f"SEXPGPU_MEMORY={env_get('SEXPGPU_MEMORY')} plans against a "
                   "smaller card than the one present")
   return err
 
@@ -226,7 +227,7 @@ def free_bytes_of(device, memory_env: str | None) -> int:
       no memory statistics (its memory is not the host's, and no plan is made against a
       guess).
   """
-  from sexpgpu.devices.env import parse_memory
+  from sexpgpu.env import parse_memory
   if memory_env not in (None, ""):
     return parse_memory(memory_env)
   stats = None

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
-from sexpgpu.devices.env import NodeConfig
+from sexpgpu.env import NodeConfig
 from sexpgpu.errors import SxError
 
 FIX_ARRIVE = "start every node; after a loss, restart every node with --resume latest"

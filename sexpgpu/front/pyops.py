@@ -12,6 +12,7 @@ import os
 import traceback
 import types
 
+from sexpgpu import env
 from sexpgpu.errors import Loc, SxError
 from sexpgpu.front.declared import builtins_for
 from sexpgpu.front.values import Builtin
@@ -43,7 +44,7 @@ def load(display: str, path: str, text: str, loc: Loc) -> dict[str, Builtin]:
   except SxError:
     raise
   except Exception as e:  # noqa: BLE001 (whatever the user's file raises is placed here)
-    if os.environ.get("SEXPGPU_DEBUG") == "1":
+    if env.debug():
       traceback.print_exc()
     where = python_line(e, path) or (f"{os.path.basename(path)}:{e.lineno}"
                                      if isinstance(e, SyntaxError) else display)

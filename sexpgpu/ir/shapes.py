@@ -75,7 +75,9 @@ def _user_error(e: Exception, source: str) -> ShapeRuleError:
   """An exception inside an op written in Python, with its file and line."""
   import os
   import traceback
-  if os.environ.get("SEXPGPU_DEBUG") == "1":
+
+  from sexpgpu.env import debug
+  if debug():
     traceback.print_exception(e)
   frames = [f for f in traceback.extract_tb(e.__traceback__)
             if os.path.abspath(f.filename) == os.path.abspath(source)]

@@ -9,6 +9,7 @@ import os
 import re
 from typing import Any
 
+from sexpgpu.env import get as env_get
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.lang.program import KnobDecl, Program, literal_value, split_keywords
 from sexpgpu.reader import Atom, Keyword, Symbol
@@ -291,8 +292,7 @@ def run_slug_stem(environ=None) -> str | None:
   Raises:
     SxError: E-ENV-001 naming SEXPGPU_RUN_SLUG, with the fix.
   """
-  environ = os.environ if environ is None else environ
-  value = environ.get("SEXPGPU_RUN_SLUG") or None
+  value = env_get("SEXPGPU_RUN_SLUG", environ)
   if value is None:
     return None
   shown = ascii(value) if len(value) <= 60 else ascii(value[:60]) + "..."

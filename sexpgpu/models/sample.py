@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sexpgpu import env
 from sexpgpu.errors import SxError
 from sexpgpu.models import forward, source
 
@@ -145,7 +146,7 @@ def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings):
   continuation fits the window, else ("recompute", None, why). The plan's window is the
   span the cache needs, not always the model's."""
   from sexpgpu.models import decode as dec
-  if os.environ.get("SEXPGPU_DECODE") == "recompute":
+  if env.parse_choice("SEXPGPU_DECODE", env.get("SEXPGPU_DECODE"), ("recompute",)):
     return "recompute", None, "SEXPGPU_DECODE=recompute"
   need = n_prompt + s.tokens - 1
   span = min(w, -(-need // SPAN_STEP) * SPAN_STEP)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from sexpgpu.env import get as env_get
 from sexpgpu.errors import SxError
 
 SX_FORMAT = "sexpgpu"  # the `format` metadata of a .safetensors file of .sx paths
@@ -135,7 +136,7 @@ def logits_graph(c, fn: str, t: int, batch: int = 1):
     raise SxError("E-SAMPLE-001", f"`({fn} tokens)` returns "
                   f"{getattr(out, 'type_str', type(out).__name__)}, not logits "
                   f"[{batch} {t} vocab]", where=f"--fn {fn}", fix=_candidates_fix(c))
-  patterns = os.environ.get("SEXPGPU_PATTERNS", "on") != "off"
+  patterns = env_get("SEXPGPU_PATTERNS") != "off"
   return rewrite(g, patterns)[0]
 
 

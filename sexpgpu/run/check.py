@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 
+from sexpgpu import env
 from sexpgpu.ir.printer import print_graph
 from sexpgpu.lang.select import format_value
 from sexpgpu.run.compile import compile_file
@@ -89,7 +89,7 @@ def lowered_text(c, what: str, device_kind: str) -> str:
     batch = abstract.abstract_batches(c.stages[0].data)
     ctx = LowerCtx(str(run["precision"]))
     return str(jax.make_jaxpr(lambda p, b: run_graph(graph, p, b, ctx)["out"])(params, batch)) + "\n"
-  place = open_devices(device_kind, parse_device_list(os.environ.get("SEXPGPU_DEVICES")))
+  place = open_devices(device_kind, parse_device_list(env.get("SEXPGPU_DEVICES")))
   microbatches_divide(k, place.ranks)
   # The run's own wiring: the same steps, pass steps and state that `run` plans.
   training = build(c, place)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any
 
 import numpy as np
 
+from sexpgpu import env
 from sexpgpu.data import LoaderSpec, make_loader
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.front.experiment import Experiment, LoaderDecl, evaluate
@@ -110,7 +110,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
   for st in stages:
     check_sizes(st.graph)
     check_vocabulary(st.graph, st.data, loaders[st.data], exp.loaders[st.data].location)
-  patterns = os.environ.get("SEXPGPU_PATTERNS", "on") != "off"
+  patterns = env.get("SEXPGPU_PATTERNS") != "off"
   regions: list = []
   for st in stages:
     st.graph, found = rewrite(st.graph, patterns)

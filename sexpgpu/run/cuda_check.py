@@ -14,6 +14,7 @@ import os
 import re
 import traceback
 
+from sexpgpu import env
 from sexpgpu.errors import SxError
 
 TARGETS = ("cuda",)
@@ -139,7 +140,7 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
   from sexpgpu.run.training import build
   run = c.exp.run
   k = int(run["microbatches"])
-  place = open_devices("cpu", parse_device_list(os.environ.get("SEXPGPU_DEVICES")))
+  place = open_devices("cpu", parse_device_list(env.get("SEXPGPU_DEVICES")))
   microbatches_divide(k, place.ranks)
   training = build(c, place)
   state = training.abstract_state()

@@ -7,8 +7,9 @@ import os
 import threading
 import time
 
-from sexpgpu.devices.env import check_visible, cpu_visible, parse_switch
-from sexpgpu.devices.env import parse_device_list  # noqa: F401  (SEXPGPU_DEVICES's one parser)
+from sexpgpu import env
+from sexpgpu.env import check_visible, cpu_visible, parse_switch
+from sexpgpu.env import parse_device_list  # noqa: F401  (SEXPGPU_DEVICES's one parser)
 from sexpgpu.errors import SxError
 
 
@@ -106,7 +107,7 @@ def deterministic() -> bool:
   Raises:
     SxError: E-ENV-001 when it is neither 0 nor 1.
   """
-  return parse_switch("SEXPGPU_DETERMINISTIC", os.environ.get("SEXPGPU_DETERMINISTIC"))
+  return parse_switch("SEXPGPU_DETERMINISTIC", env.get("SEXPGPU_DETERMINISTIC"))
 
 
 def _autotune_dir() -> str:
@@ -298,7 +299,7 @@ def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Place
   """Opens the device kind and the ranks SEXPGPU_DEVICES names (all visible GPUs when unset).
 
   On `cpu`, SEXPGPU_DEVICES=0,1 makes that many XLA host devices (set before the backend
-  starts), up to `devices.env.cpu_visible`. One rank on a device other than the first
+  starts), up to `env.cpu_visible`. One rank on a device other than the first
   becomes JAX's default device, so what is compiled ahead of time lives there too.
   Raises E-DP-001 for an ordinal that is not visible, E-DEV-001 without CUDA.
   """

@@ -1,18 +1,14 @@
-"""Flags merged with SEXPGPU_* variables (flags win); bad variables are E-ENV-001."""
+"""Flags merged with SEXPGPU_* variables (flags win), each parsed by sexpgpu/env.py."""
 
 from __future__ import annotations
 
 import os
 
-from sexpgpu.devices import env as devices_env
-from sexpgpu.devices.env import parse_stacking
+from sexpgpu import env
 from sexpgpu.errors import SxError
 from sexpgpu.run.loop import RunOptions
 
-
-def _env(name: str) -> str | None:
-  v = os.environ.get(name)
-  return v if v not in (None, "") else None
+_env = env.get
 
 
 def init_from_sets(flag: str | None, sets: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -24,7 +20,7 @@ def init_from_sets(flag: str | None, sets: list[tuple[str, str]]) -> list[tuple[
 
 def stacking_from_env() -> int | None:
   """SEXPGPU_STACKING: `auto` (None) or a fixed degree."""
-  return parse_stacking(_env("SEXPGPU_STACKING"))
+  return env.parse_stacking(_env("SEXPGPU_STACKING"))
 
 
 # flags whose variable the parsers check on their own: flag → the variable it overrides
@@ -34,19 +30,16 @@ _OVERRIDES = (("metrics", "SEXPGPU_METRICS"), ("device", "SEXPGPU_DEVICE"))
 def check_variables(device: str | None = None, overridden: tuple[str, ...] = ()) -> None:
   """Every SEXPGPU_* variable that must parse, checked before anything runs.
 
-  The parsers are devices/env.py's, the ones `doctor` reports with. A variable
+  The parsers are sexpgpu/env.py's, the ones `doctor` reports with. A variable
   that a flag overrides (`overridden`) is not read, so not checked.
   """
-  env = {k: v for k, v in os.environ.items() if k not in overridden}
-  devices_env.check_variables(env, device)
+  env.check_variables({k: v for k, v in os.environ.items() if k not in overridden}, device)
 
 
 def run_options(path: str, fv) -> RunOptions:
   """The run's options from parsed flags and the environment."""
-  if fv.device and fv.device not in ("cpu", "cuda"):
-    raise SxError("E-DEV-001", f"device `{fv.device}` is not cpu or cuda", where="--device",
-                  fix="cpu or cuda")
-  device = fv.device or devices_env.parse_device(_env("SEXPGPU_DEVICE"))
+  device = (env.parse_device(fv.device, "--device") if fv.device
+            else env.parse_device(_env("SEXPGPU_DEVICE")))
   check_variables(device, tuple(var for flag, var in _OVERRIDES if getattr(fv, flag)))
   if fv.resume is None and _env("SEXPGPU_RESUME") == "latest" and not (
       fv.checkpoint_dir or _env("SEXPGPU_CHECKPOINT_DIR")):
@@ -67,11 +60,10 @@ def run_options(path: str, fv) -> RunOptions:
 
 def _profile(fv) -> dict:
   """--profile A..B (SEXPGPU_PROFILE) and --profile-dir (SEXPGPU_PROFILE_DIR)."""
-  from sexpgpu.run.profile import parse_range
   flag = getattr(fv, "profile", None)
   text, where = (flag, "--profile") if flag is not None else (_env("SEXPGPU_PROFILE"),
                                                               "SEXPGPU_PROFILE")
   folder = getattr(fv, "profile_dir", None)
   folder = folder if folder is not None else _env("SEXPGPU_PROFILE_DIR")
-  return {"profile": parse_range(text, where) if text is not None else None,
+  return {"profile": env.parse_step_range(text, where) if text is not None else None,
           "profile_dir": folder}

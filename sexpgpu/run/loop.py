@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from sexpgpu.devices.env import parse_nodes
+from sexpgpu.env import parse_nodes
 from sexpgpu.errors import SxError
 from sexpgpu.models.warm import start_state
 from sexpgpu.run import output, plan, reports, saving, setup, signals

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from sexpgpu import env
 from sexpgpu.devices import memory as mem
 from sexpgpu.errors import SxError
 
@@ -412,7 +413,7 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
   state_total = mem.tree_bytes(mine)
   outside = mem.outside_bytes(mem.tree_bytes(batches), state_total,
                               buffered_batches=buffered_batches, checkpoint_copy=checkpointing)
-  free = mem.free_bytes_of(device, os.environ.get("SEXPGPU_MEMORY"))
+  free = mem.free_bytes_of(device, env.get("SEXPGPU_MEMORY"))
   reserve = mem.reserve_for(device)
   plans, execs, predicted = {}, {}, {}
   over = ("" if training.sharding == "replicate"

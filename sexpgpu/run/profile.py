@@ -8,17 +8,17 @@ import gzip
 import json
 import os
 
+from sexpgpu.env import parse_step_range
 
 TOP = 5
 
 
 def parse_range(text: str, where: str) -> tuple[int, int]:
-  """`A..B` (or `A`) as the steps (1-based, inclusive) to record (devices/env.py's parser).
+  """`A..B` (or `A`) as the steps (1-based, inclusive) to record (sexpgpu/env.py's parser).
 
   Raises:
     SxError: E-ENV-001 naming `where` (the flag or the variable) when it does not parse.
   """
-  from sexpgpu.devices.env import parse_step_range
   return parse_step_range(text, where)
 
 

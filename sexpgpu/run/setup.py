@@ -10,8 +10,9 @@ from typing import Iterator
 
 import jax
 
+from sexpgpu import env
 from sexpgpu import record, retrying
-from sexpgpu.devices.env import check_visible, cpu_visible, rendezvous_timeout
+from sexpgpu.env import check_visible, cpu_visible, rendezvous_timeout
 from sexpgpu.errors import SxError
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT
 from sexpgpu.lower.flops import device_peak, forward_bytes, train_flops
@@ -44,7 +45,7 @@ def open_backend(c, o, nodes_cfg, progress):
   Raises:
     SxError: E-DEV-*, E-DP-* (devices, nodes, microbatches that do not divide).
   """
-  ordinals = parse_device_list(os.environ.get("SEXPGPU_DEVICES"))
+  ordinals = parse_device_list(env.get("SEXPGPU_DEVICES"))
   t_open = time.perf_counter()
   rdv = _before_backend(c, o, nodes_cfg, ordinals, progress)
   if rdv is not None:  # E-DP-007 names it, also when a thread of ours sees a node leave

@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any
 
+from sexpgpu.env import get as env_get
+from sexpgpu.env import parse_device_list
 from sexpgpu.errors import SxError
 from sexpgpu.run.signals import SIGNALS as STOP_SIGNALS
 
@@ -146,7 +148,7 @@ def _metrics_for(opts: SweepOptions, slug: str) -> str:
 
 def checkpoint_location(opts: SweepOptions) -> str | None:
   """`--checkpoint-dir`, else SEXPGPU_CHECKPOINT_DIR (which the children inherit)."""
-  return opts.checkpoint_dir or os.environ.get("SEXPGPU_CHECKPOINT_DIR") or None
+  return opts.checkpoint_dir or env_get("SEXPGPU_CHECKPOINT_DIR")
 
 
 def run_argv(opts: SweepOptions, point: Point, resume: bool, program: str = "python") -> list[str]:
@@ -210,11 +212,11 @@ def device_shares(opts: SweepOptions) -> list[str | None]:
   Raises:
     SxError: E-DP-001 when there are fewer GPUs than `--parallel`.
   """
-  device = opts.device or os.environ.get("SEXPGPU_DEVICE") or "cpu"
+  device = opts.device or env_get("SEXPGPU_DEVICE") or "cpu"
   if device != "cuda" or opts.parallel <= 1:
     return [None] * max(opts.parallel, 1)
-  given = os.environ.get("SEXPGPU_DEVICES")
-  ordinals = ([o.strip() for o in given.split(",") if o.strip()] if given
+  given = parse_device_list(env_get("SEXPGPU_DEVICES"))
+  ordinals = ([str(o) for o in given] if given is not None
               else [str(i) for i in range(_gpu_count())])
   if len(ordinals) < opts.parallel:
     raise SxError("E-DP-001", f"--parallel {opts.parallel} needs as many GPUs; "

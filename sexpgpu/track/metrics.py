@@ -7,7 +7,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.env import METRICS_FORMS, METRICS_SCHEMES, parse_metrics
+from sexpgpu.errors import SxError
 from sexpgpu.paths import scrub
 from sexpgpu.track.jsonl_target import JsonlTarget
 from sexpgpu.track.mlflow_target import MlflowTarget
@@ -15,16 +16,13 @@ from sexpgpu.track.targets import Target, TargetError
 from sexpgpu.track.tensorboard_target import TensorBoardTarget
 
 CODE = "E-METRICS-001"
-_FORMS = "jsonl:PATH, tensorboard:DIR or mlflow:URI, several joined by commas"
-
-# The schemes whose location is a local path (a URI there would make a folder `s3:`).
-LOCAL_SCHEMES = ("jsonl", "tensorboard")
 # scheme → target class, each built as cls(spec, location, slug).
 SCHEMES: dict[str, Callable[[str, str, str], Target]] = {
     "jsonl": JsonlTarget,
     "tensorboard": TensorBoardTarget,
     "mlflow": MlflowTarget,
 }
+assert tuple(SCHEMES) == METRICS_SCHEMES  # env.py parses the spec; each scheme has its target
 
 
 class Metrics:
@@ -136,7 +134,7 @@ def open_metrics(spec: str | None, slug: str,
       cannot be opened or created, or MLflow not installed. Targets already
       opened are closed first.
   """
-  pieces = parse(spec, where)
+  pieces = parse_metrics(spec, where)
   targets: list[Target] = []
   try:
     for piece, scheme, location in pieces:
@@ -149,55 +147,6 @@ def open_metrics(spec: str | None, slug: str,
   return Metrics(targets, slug, where)
 
 
-def parse(spec: str | None, where: str) -> list[tuple[str, str, str]]:
-  """Splits a metrics spec into (piece, scheme, location) triples.
-
-  Raises:
-    SxError: E-METRICS-001 for an empty piece, a missing or unknown scheme,
-      an empty location, or the same target twice.
-  """
-  if spec is None or not spec.strip():
-    return []
-  triples = []
-  for piece in (p.strip() for p in spec.split(",")):
-    triples.append(_parse_piece(piece, spec, where))
-  seen = set()
-  for piece, _, _ in triples:
-    if piece in seen:
-      raise _error(f"metrics target `{scrub(piece)}` given twice", where,
-                   "name each target once")
-    seen.add(piece)
-  return triples
-
-
-def _parse_piece(piece: str, spec: str, where: str) -> tuple[str, str, str]:
-  if not piece:
-    raise _error(f"empty metrics target in `{scrub(spec)}`", where,
-                 f"write {_FORMS}, with no empty entry between commas")
-  scheme, colon, location = piece.partition(":")
-  if not colon:
-    raise _error(f"metrics target `{scrub(piece)}` has no scheme", where,
-                 f"write {_FORMS}, e.g. jsonl:{piece}")
-  if scheme not in SCHEMES:
-    hint = did_you_mean(scheme, SCHEMES)
-    raise _error(f"unknown metrics scheme `{scrub(scheme)}` in `{scrub(piece)}`", where,
-                 (hint + " " if hint else "") + f"targets are {_FORMS}")
-  if not location.strip():
-    raise _error(f"metrics target `{scrub(piece)}` has no location", where,
-                 f"write {_FORMS}")
-  if scheme in LOCAL_SCHEMES and "://" in location:
-    raise _error(f"metrics target `{scrub(piece)}`: {scheme} writes a local "
-                 f"{'file' if scheme == 'jsonl' else 'folder'}, and "
-                 f"{scrub(location)} is a remote location", where,
-                 f"write {scheme}:PATH on a local disk (and copy it to the store when the run "
-                 "ends), or log to mlflow:URI")
-  return piece, scheme, location
-
-
-def _error(message: str, where: str, fix: str) -> SxError:
-  return SxError(CODE, message, where=where, fix=fix)
-
-
 @contextlib.contextmanager
 def _as_sx_error(piece: str, where: str) -> Iterator[None]:
   """Turns a TargetError raised inside into E-METRICS-001 naming the target."""
@@ -205,7 +154,7 @@ def _as_sx_error(piece: str, where: str) -> Iterator[None]:
     yield
   except TargetError as e:
     raise SxError(CODE, f"metrics target `{scrub(piece)}`: {scrub(e.message)}", where=where,
-                  fix=scrub(e.fix) if e.fix else f"write {_FORMS}") from e
+                  fix=scrub(e.fix) if e.fix else f"write {METRICS_FORMS}") from e
 
 
 def _close_quietly(target: Target) -> None:

@@ -1,31 +1,75 @@
-"""Every SEXPGPU_* variable that must parse, parsed once here for run, check and doctor.
+"""Every SEXPGPU_* variable, read and parsed here: the one reader of the environment.
 
-Every parser here runs before anything starts a JAX backend and never imports
-JAX: `jax.distributed.initialize` and the host-device count must be set first.
-Its error names the variable, so `run` and `doctor` say the same for one value.
+Each variable is read with `get` (unset and blank are the same) and parsed by one
+function here; integers are decimal and bounded (`count`), seconds are positive and
+finite (`seconds`). A value that does not parse is an `SxError` naming the variable:
+E-DP-001 for SEXPGPU_DEVICES, E-DP-005 for the node variables (as the seed's Devices page
+says), E-DEV-001 for a device that is neither cpu nor cuda, E-METRICS-001 for a metrics
+target, E-ENV-001 for the others. `run`, `check` and `doctor` say the same for one value.
+
+Nothing here imports JAX: `jax.distributed.initialize` and the host-device count are set
+from these values before anything starts a backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Callable, Mapping
 
-from sexpgpu.errors import SxError
-from sexpgpu.paths import check_cache_value
+from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.paths import check_cache_value, scrub
 from sexpgpu.reader.read import parse_int, shown
 
 FIX_DEVICES = "list visible ordinals once each, SEXPGPU_DEVICES=0,1"
 FIX_NODES = "set all three on every node, with SEXPGPU_DEVICE=cuda"
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
 DEFAULT_REMOTE_TIMEOUT = 300.0
+# The largest count or ordinal a variable may give: what an int32 holds.
+COUNT_LIMIT = 2**31
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 _FORCED = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+  """The text of variable `name` in `environ` (os.environ when None); None when unset or blank."""
+  value = (os.environ if environ is None else environ).get(name)
+  return None if value is None or value.strip() == "" else value
+
+
+def count(text: str | None, limit: int = COUNT_LIMIT) -> int | None:
+  """A non-negative integer written in plain ASCII digits, below `limit`, or None."""
+  if text is None or not (text.isascii() and text.isdigit()):
+    return None
+  return parse_int(text, limit)
+
+
+def debug(environ: Mapping[str, str] | None = None) -> bool:
+  """SEXPGPU_DEBUG=1: errors carry their Python traceback.
+
+  Read while an error is being reported, so it never raises; a value other than 0 or 1 is
+  refused by `check_variables` before anything runs.
+  """
+  return (get("SEXPGPU_DEBUG", environ) or "").strip() == "1"
+
+
+def _val(env: Mapping[str, str], name: str) -> str | None:
+  v = get(name, env)
+  return None if v is None else v.strip()
+
+
+def _dp001(message: str) -> SxError:
+  return SxError("E-DP-001", message, where="SEXPGPU_DEVICES", fix=FIX_DEVICES)
+
+
+def _dp005(message: str, where: str) -> SxError:
+  return SxError("E-DP-005", message, where=where, fix=FIX_NODES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,30 +98,6 @@ class NodeConfig:
     return f"{self.host}:{self.port}"
 
 
-# The largest count or ordinal a variable may give: what an int32 holds.
-COUNT_LIMIT = 2**31
-
-
-def _count(text: str | None) -> int | None:
-  """A non-negative integer written in plain digits, below COUNT_LIMIT, or None."""
-  if text is None or not text.isdigit():
-    return None
-  return parse_int(text, COUNT_LIMIT)
-
-
-def _val(env: Mapping[str, str], name: str) -> str | None:
-  v = env.get(name)
-  return None if v is None or v.strip() == "" else v.strip()
-
-
-def _dp001(message: str) -> SxError:
-  return SxError("E-DP-001", message, where="SEXPGPU_DEVICES", fix=FIX_DEVICES)
-
-
-def _dp005(message: str, where: str) -> SxError:
-  return SxError("E-DP-005", message, where=where, fix=FIX_NODES)
-
-
 def parse_device_list(value: str | None) -> list[int] | None:
   """SEXPGPU_DEVICES as ordinals in rank order, or None when unset or blank.
 
@@ -89,7 +109,7 @@ def parse_device_list(value: str | None) -> list[int] | None:
   out: list[int] = []
   for part in value.split(","):
     p = part.strip()
-    n = _count(p)
+    n = count(p)
     if n is None:
       raise _dp001(f"SEXPGPU_DEVICES={shown(value)} does not parse: `{shown(p)}` is not a "
                    "device ordinal")
@@ -120,8 +140,8 @@ def cpu_visible(env: Mapping[str, str] | None = None) -> int:
   """The XLA host devices a CPU run may make: XLA_FLAGS' forced count, else the CPU count."""
   env = os.environ if env is None else env
   forced = _FORCED.search(env.get("XLA_FLAGS", ""))
-  count = _count(forced.group(1)) if forced else None
-  return count if count is not None else (os.cpu_count() or 1)
+  n = count(forced.group(1)) if forced else None
+  return n if n is not None else (os.cpu_count() or 1)
 
 
 def parse_devices(value: str | None, visible: int, kind: str = "cuda") -> list[int]:
@@ -167,12 +187,12 @@ def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
   if grads not in ("bf16", "f32"):
     raise _dp005(f"SEXPGPU_NODE_GRADIENTS={grads} is not f32 or bf16", "SEXPGPU_NODE_GRADIENTS")
   raw = _val(env, "SEXPGPU_NODES")
-  if raw is not None and (_count(raw) or 0) < 1:
+  if raw is not None and (count(raw) or 0) < 1:
     raise _dp005(f"SEXPGPU_NODES={shown(raw)} is not a count of nodes (1 to "
                  f"{COUNT_LIMIT - 1})", "SEXPGPU_NODES")
-  nodes = 1 if raw is None else _count(raw)
+  nodes = 1 if raw is None else count(raw)
   rank_s = _val(env, "SEXPGPU_NODE_RANK")
-  rank = _count(rank_s)
+  rank = count(rank_s)
   if (rank_s is None and nodes > 1) or (rank_s is not None and (rank is None or rank >= nodes)):
     raise _dp005(f"SEXPGPU_NODE_RANK={shown(rank_s or '(unset)')} is not in 0..{nodes - 1} "
                  f"(SEXPGPU_NODES={raw or '(unset)'})", "SEXPGPU_NODE_RANK")
@@ -180,7 +200,7 @@ def parse_nodes(env: Mapping[str, str], device: str) -> NodeConfig | None:
     return None
   rdv = _val(env, "SEXPGPU_RENDEZVOUS")
   m = _HOSTPORT.match(rdv or "")
-  if m is None or not 0 < (_count(m.group(2)) or 0) < 65536:
+  if m is None or not 0 < (count(m.group(2)) or 0) < 65536:
     raise _dp005(f"SEXPGPU_RENDEZVOUS={shown(rdv or '(unset)')} is not host:port",
                  "SEXPGPU_RENDEZVOUS")
   collectives = "nccl"
@@ -215,46 +235,34 @@ def parse_memory(value: str) -> int:
   return int(size)
 
 
-def rendezvous_timeout(env: Mapping[str, str] | None = None) -> float:
-  """Seconds a node waits at the rendezvous: SEXPGPU_RENDEZVOUS_TIMEOUT, default 300.
+def seconds(name: str, default: float, environ: Mapping[str, str] | None = None) -> float:
+  """The positive, finite number of seconds variable `name` gives; `default` when unset.
 
   Raises:
-    SxError: E-ENV-001 when the variable is not a positive number of seconds.
+    SxError: E-ENV-001 naming the variable when it is not a positive number of seconds.
   """
-  env = os.environ if env is None else env
-  raw = _val(env, "SEXPGPU_RENDEZVOUS_TIMEOUT")
+  raw = _val(os.environ if environ is None else environ, name)
   if raw is None:
-    return DEFAULT_RENDEZVOUS_TIMEOUT
+    return default
   try:
     secs = float(raw)
   except ValueError:
     secs = -1.0
-  if not secs > 0 or secs != secs or secs == float("inf"):
-    raise SxError("E-ENV-001", f"SEXPGPU_RENDEZVOUS_TIMEOUT={raw} is not a positive number of "
-                  "seconds", where="SEXPGPU_RENDEZVOUS_TIMEOUT",
-                  fix="SEXPGPU_RENDEZVOUS_TIMEOUT=300")
+  if not (math.isfinite(secs) and secs > 0):
+    raise SxError("E-ENV-001", f"{name}={shown(raw)} is not a positive number of seconds",
+                  where=name, fix=f"{name}={default:g}")
   return secs
+
+
+def rendezvous_timeout(env: Mapping[str, str] | None = None) -> float:
+  """Seconds a node waits at the rendezvous: SEXPGPU_RENDEZVOUS_TIMEOUT, default 300."""
+  return seconds("SEXPGPU_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT, env)
 
 
 def remote_timeout(env: Mapping[str, str] | None = None) -> float:
   """Seconds a remote operation of a run (a checkpoint upload, its marker, a loader's
-  fetch) is retried after its first failure: SEXPGPU_REMOTE_TIMEOUT, default 300.
-
-  Raises:
-    SxError: E-ENV-001 when the variable is not a positive number of seconds.
-  """
-  env = os.environ if env is None else env
-  raw = _val(env, "SEXPGPU_REMOTE_TIMEOUT")
-  if raw is None:
-    return DEFAULT_REMOTE_TIMEOUT
-  try:
-    secs = float(raw)
-  except ValueError:
-    secs = -1.0
-  if not secs > 0 or secs != secs or secs == float("inf"):
-    raise SxError("E-ENV-001", f"SEXPGPU_REMOTE_TIMEOUT={raw} is not a positive number of "
-                  "seconds", where="SEXPGPU_REMOTE_TIMEOUT", fix="SEXPGPU_REMOTE_TIMEOUT=300")
-  return secs
+  fetch) is retried after its first failure: SEXPGPU_REMOTE_TIMEOUT, default 300."""
+  return seconds("SEXPGPU_REMOTE_TIMEOUT", DEFAULT_REMOTE_TIMEOUT, env)
 
 
 def parse_stacking(value: str | None) -> int | None:
@@ -265,7 +273,7 @@ def parse_stacking(value: str | None) -> int | None:
   """
   if value is None or value.strip() in ("", "auto"):
     return None
-  degree = _count(value.strip())
+  degree = count(value.strip())
   if degree is None or degree < 1:
     raise SxError("E-ENV-001", f"SEXPGPU_STACKING={shown(value)} is not `auto` or a positive "
                   f"integer below {COUNT_LIMIT}", where="SEXPGPU_STACKING",
@@ -299,27 +307,70 @@ def parse_choice(name: str, value: str | None, allowed: tuple[str, ...]) -> str 
   return value
 
 
-def parse_device(value: str | None) -> str:
-  """SEXPGPU_DEVICE: cpu (the default) or cuda.
+def parse_device(value: str | None, where: str = "SEXPGPU_DEVICE") -> str:
+  """The device of SEXPGPU_DEVICE or --device (`where`): cpu (the default) or cuda.
 
   Raises:
-    SxError: E-ENV-001 for another device.
+    SxError: E-DEV-001 (a device that is neither cpu nor cuda) naming `where`.
   """
   device = value or "cpu"
   if device not in ("cpu", "cuda"):
-    raise SxError("E-ENV-001", f"device `{device}` is not cpu or cuda", where="SEXPGPU_DEVICE",
+    raise SxError("E-DEV-001", f"device `{shown(device)}` is not cpu or cuda", where=where,
                   fix="cpu or cuda")
   return device
 
 
-def parse_metrics(value: str | None) -> list:
-  """SEXPGPU_METRICS's targets (scheme and location each), errors naming the variable.
+METRICS_SCHEMES = ("jsonl", "tensorboard", "mlflow")
+# The schemes whose location is a local path (a URI there would make a folder `s3:`).
+LOCAL_SCHEMES = ("jsonl", "tensorboard")
+METRICS_FORMS = "jsonl:PATH, tensorboard:DIR or mlflow:URI, several joined by commas"
+
+
+def parse_metrics(spec: str | None, where: str = "SEXPGPU_METRICS") -> list[tuple[str, str, str]]:
+  """The targets of SEXPGPU_METRICS or --metrics (`where`): (piece, scheme, location) each.
 
   Raises:
-    SxError: E-METRICS-001 when a target does not parse.
+    SxError: E-METRICS-001 for an empty piece, a missing or unknown scheme, an empty
+      location, a remote location for a local scheme, or the same target twice.
   """
-  from sexpgpu.track.metrics import parse  # the one parser of a metrics spec
-  return parse(value, "SEXPGPU_METRICS")
+  if spec is None or not spec.strip():
+    return []
+  triples = [_metrics_piece(piece, spec, where) for piece in (p.strip() for p in spec.split(","))]
+  seen = set()
+  for piece, _, _ in triples:
+    if piece in seen:
+      raise _metrics_error(f"metrics target `{scrub(piece)}` given twice", where,
+                           "name each target once")
+    seen.add(piece)
+  return triples
+
+
+def _metrics_piece(piece: str, spec: str, where: str) -> tuple[str, str, str]:
+  if not piece:
+    raise _metrics_error(f"empty metrics target in `{scrub(spec)}`", where,
+                         f"write {METRICS_FORMS}, with no empty entry between commas")
+  scheme, colon, location = piece.partition(":")
+  if not colon:
+    raise _metrics_error(f"metrics target `{scrub(piece)}` has no scheme", where,
+                         f"write {METRICS_FORMS}, e.g. jsonl:{piece}")
+  if scheme not in METRICS_SCHEMES:
+    hint = did_you_mean(scheme, METRICS_SCHEMES)
+    raise _metrics_error(f"unknown metrics scheme `{scrub(scheme)}` in `{scrub(piece)}`", where,
+                         (hint + " " if hint else "") + f"targets are {METRICS_FORMS}")
+  if not location.strip():
+    raise _metrics_error(f"metrics target `{scrub(piece)}` has no location", where,
+                         f"write {METRICS_FORMS}")
+  if scheme in LOCAL_SCHEMES and "://" in location:
+    raise _metrics_error(f"metrics target `{scrub(piece)}`: {scheme} writes a local "
+                         f"{'file' if scheme == 'jsonl' else 'folder'}, and "
+                         f"{scrub(location)} is a remote location", where,
+                         f"write {scheme}:PATH on a local disk (and copy it to the store when "
+                         "the run ends), or log to mlflow:URI")
+  return piece, scheme, location
+
+
+def _metrics_error(message: str, where: str, fix: str) -> SxError:
+  return SxError("E-METRICS-001", message, where=where, fix=fix)
 
 
 def parse_step_range(value: str | None, where: str = "SEXPGPU_PROFILE") -> tuple[int, int] | None:
@@ -359,6 +410,7 @@ VARIABLES: dict[str, Callable[[str | None], Any]] = {
     "SEXPGPU_METRICS": parse_metrics,
     "SEXPGPU_PROFILE": parse_step_range,
     "SEXPGPU_CACHE_DIR": check_cache_value,
+    "SEXPGPU_DECODE": lambda v: parse_choice("SEXPGPU_DECODE", v, ("recompute",)),
 }
 
 
