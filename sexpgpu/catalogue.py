@@ -149,8 +149,7 @@ _ENTRIES = (
           "fix the op's Python file (SEXPGPU_DEBUG=1 prints the whole traceback)"),
     # models in and out (55-models.md)
     Entry("E-SAMPLE-001",
-          "`sample` cannot tell which function maps tokens to logits (the candidates listed) "
-          "(55-models.md)",
+          "`sample` cannot tell which function maps tokens to logits (the candidates listed)",
           "pass --fn NAME, a function of the tokens that returns logits [b t vocab]"),
     Entry("E-EXPORT-001",
           "a model with parameters that have no place in the chosen format's twin (naming them)",

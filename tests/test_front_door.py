@@ -1,4 +1,4 @@
-"""Every input gets an answer (issue 16): an error code with its place and a fix, or a run."""
+"""Every input gets an answer: an error code with its place and a fix, or a run."""
 
 import json
 import os

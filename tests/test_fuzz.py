@@ -1,4 +1,4 @@
-"""Fuzz of the front door (issue 16): generated inputs end in an error code or a run.
+"""Fuzz of the front door: generated inputs end in an error code or a run.
 
 The CI share: 1,500 inputs through `check`, 5 of them through `run --steps 1`, in this process
 (about a minute); `python benchmarks/fuzz.py --count 10000` runs the larger count.
