@@ -21,33 +21,48 @@ def _served(notes: list) -> list[str]:
   return sorted({n.get("kernel") or n["impl"] for n in notes if n.get("kind") == "attention"})
 
 
-def predicted(path: str, variant: str | None, sets: list[tuple[str, str]]) -> tuple[list, str]:
-  """What `sexpgpu check --target cuda` predicts, run as on a machine with no GPU (the CUDA
-  platform hidden), so no probe of this GPU informs it: (kernels, the check's text)."""
+def _check(path: str, variant: str | None, sets: list[tuple[str, str]]) -> subprocess.Popen:
+  """`sexpgpu check --target cuda` started as on a machine with no GPU (the CUDA platform
+  hidden), so no probe of this GPU informs it; it runs on the CPU beside the GPU's work."""
   args = [sys.executable, "-m", "sexpgpu.cli.main", "check", path, "--target", "cuda"]
   args += (["--variant", variant] if variant else []) + [a for k, v in sets
                                                          for a in ("--set", f"{k}={v}")]
   env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
-  p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=200)
+  return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def _prediction(p: subprocess.Popen) -> tuple[list, str]:
+  out, err = p.communicate(timeout=200)
   if p.returncode != 0:
-    raise RuntimeError(f"check --target cuda failed: {p.stderr.strip().splitlines()[:1]}")
-  train = p.stdout.split("train step", 1)[1].split("\npass ", 1)[0]
+    raise RuntimeError(f"check --target cuda failed: {err.strip().splitlines()[:1]}")
+  train = out.split("train step", 1)[1].split("\npass ", 1)[0]
   line = next((ln for ln in train.splitlines() if ln.strip().startswith("attention ")), "")
   kernels = line.split("→ ", 1)[1].split(" (", 1)[0].split(" + ") if "→ " in line else []
-  return sorted(kernels), p.stdout
+  return sorted(kernels), out
 
 
-def one(spec: str) -> bool:
-  """Predicts and compiles one configuration; prints its PASS/FAIL line."""
-  from sexpgpu.run.compile import compile_file
-  from sexpgpu.run.devices import open_devices
-  from sexpgpu.run.training import build
+def predicted(path: str, variant: str | None, sets: list[tuple[str, str]]) -> tuple[list, str]:
+  """What `sexpgpu check --target cuda` predicts: (kernels, the check's text)."""
+  return _prediction(_check(path, variant, sets))
+
+
+def _parse(spec: str):
   words = spec.split()
   path, variant = words[0], (words[1] if len(words) > 1 and words[1] != "-" else None)
   sets = [tuple(w.split("=", 1)) for w in words[2:]]
-  name = " ".join(w for w in words if w != "-")
+  return path, variant, sets, " ".join(w for w in words if w != "-")
+
+
+def one(spec: str, check: subprocess.Popen) -> bool:
+  """Compiles one configuration on the GPU, against its running check; prints its PASS/FAIL
+  line."""
+  from sexpgpu.run.compile import compile_file
+  from sexpgpu.run.devices import open_devices
+  from sexpgpu.run.training import build
+  path, variant, sets, name = _parse(spec)
   t0 = time.perf_counter()
-  want, check_text = predicted(path, variant, sets)
+  want, check_text = _prediction(check)
   c = compile_file(path, variant, sets, None, None)
   k = int(c.exp.run["microbatches"])
   # what serves: the step built on this GPU and compiled here (its probes compile for real)
@@ -73,9 +88,10 @@ def one(spec: str) -> bool:
 
 def main(argv: list[str]) -> int:
   ok = True
+  checks = {spec: _check(*_parse(spec)[:3]) for spec in argv}  # all on the CPU at once
   for spec in argv:
     try:
-      ok = one(spec) and ok
+      ok = one(spec, checks[spec]) and ok
     except Exception as e:  # a configuration that fails to build is a FAIL line, not a stop
       print(f"FAIL served {spec}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
             flush=True)
