@@ -108,6 +108,14 @@ def _scan(node: Node) -> int:
   return flops
 
 
+def _linear_recurrence(node: Node) -> int:
+  """An associative scan of (A, X) pairs: 3 flops a combination (A·A', A'·X + X'), and the
+  interleaving's addition for each of the two."""
+  n = node.shape[node.attr("axis") % len(node.shape)]
+  per = math.prod(node.shape) // n if n else 0
+  return (3 * combines(n) + 2 * interleaved(n)) * per
+
+
 def _per_element(k: int):
   """k flops an output element (XLA's count of an elementwise op: 1, a transcendental 0)."""
   return lambda node: k * math.prod(node.shape)
@@ -124,14 +132,14 @@ register_flops(_sdpa, "sdpa")
 register_flops(_chunked_xent, "chunked-cross-entropy")
 register_flops(_conv, "conv")
 register_flops(_scan, "scan", "associative-scan")
+register_flops(_linear_recurrence, "linear-recurrence")
 # Elementwise work counts as XLA's cost analysis counts it, so the counted FLOPs of a small
 # model agree with XLA's (products dominate a large one either way).
 register_flops(_per_element(1), "+", "-", "*", "/", "pow", "max", "min", "mod", "neg", "abs",
                "square", "relu", "floor", "ceil", "round", "sign", "isfinite", "logical-not",
                "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "where", "clip",
                "causal-mask", "segment-mask", "silu", "scatter-add")
-register_flops(_per_element(2), "softplus", "dropout", "cumsum", "cumprod",
-               "linear-recurrence")
+register_flops(_per_element(2), "softplus", "dropout", "cumsum", "cumprod")
 register_flops(_per_element(8), "gelu")
 register_flops(
     "a transcendental: XLA counts it apart from FLOPs", "exp", "log", "sqrt", "rsqrt", "tanh",
@@ -182,8 +190,9 @@ def forward_flops(graph: Graph) -> int:
 
 
 # Products whose backward computes one product of the forward's size for each input that
-# needs a gradient (dA and dB of a matmul); attention's backward is twice its forward.
-_PER_INPUT = ("matmul", "conv", "chunked-cross-entropy")
+# needs a gradient (dA and dB of a matmul; a linear recurrence's dA and dX each scan back
+# through time); attention's backward is twice its forward.
+_PER_INPUT = ("matmul", "conv", "chunked-cross-entropy", "linear-recurrence")
 
 
 def _backward(roots: list[Node], needs: dict[int, bool]) -> int:
