@@ -176,14 +176,30 @@ def _start_cuda() -> tuple[int, None] | tuple[None, str]:
       lg.removeHandler(logged)
 
 
+def cuda_failure(text: str) -> tuple[str, str]:
+  """Why this machine's CUDA backend did not start, and the fix.
+
+  Args:
+    text: JAX's error (and what the plugin logged), or "" when JAX silently offered
+      other devices.
+
+  Returns:
+    (cause, fix): the plugin missing; else plugin_failure's reading with this machine's
+    device nodes and the plugin's libraries that do not load.
+  """
+  if _plugin() is None:
+    return "the jax_cuda13 plugin is not installed", FIX_PLUGIN
+  missing = [stem for stem in PLUGIN_LIBS if _load(stem)[0] is None]
+  return plugin_failure(text, any(os.path.exists(d) for d in DEVICE_NODES), missing)
+
+
 def check_plugin(device: str) -> Check:
   name = _plugin()
   if name is None:
     return _gpu_missing(device, "cuda plugin", "jax_cuda13 plugin not installed", FIX_PLUGIN)
   n, text = _start_cuda()
   if n is None:
-    missing = [stem for stem in PLUGIN_LIBS if _load(stem)[0] is None]
-    cause, fix = plugin_failure(text, any(os.path.exists(d) for d in DEVICE_NODES), missing)
+    cause, fix = cuda_failure(text)
     first = (text.strip().splitlines() or ["no error text"])[0][:200]
     return Check("fail" if device == "cuda" else "warn", "cuda plugin",
                  f"{name} installed, but the cuda backend does not start: {cause} ({first})",

@@ -32,11 +32,11 @@ def open_device(kind: str):
   deterministic_flags()
   try:
     devs = jax.devices("cuda")
-  except RuntimeError:
-    devs = []
+  except RuntimeError as e:
+    raise cuda_unavailable(str(e)) from None
   if not devs:
-    raise SxError("E-DEV-001", "the cuda device cannot be opened: no CUDA backend or no GPU "
-                  "visible", where="--device cuda / SEXPGPU_DEVICE",
+    raise SxError("E-DEV-001", "the cuda device cannot be opened: no GPU visible",
+                  where="--device cuda / SEXPGPU_DEVICE",
                   fix='pip install "sexpgpu[cuda]" (jax[cuda13]) on a machine with an NVIDIA '
                   "driver of the 580 series or newer; check CUDA_VISIBLE_DEVICES")
   for d in devs:
@@ -295,6 +295,23 @@ def microbatches_divide(k: int, ranks: int) -> None:
                   ":microbatches, or --set microbatches=N")
 
 
+def cuda_unavailable(text: str, offered: str = "") -> SxError:
+  """E-DEV-001 for a CUDA backend that did not start, with doctor's reading of why.
+
+  Args:
+    text: JAX's error, or "" when JAX silently offered other devices instead.
+    offered: the platforms JAX offered instead ("cpu"), or "".
+  """
+  from sexpgpu.devices.doctor import cuda_failure
+  cause, fix = cuda_failure(text)
+  first = (text.strip().splitlines() or [""])[0][:200]
+  return SxError("E-DEV-001", "the cuda devices cannot be opened on this node: "
+                 + (f"JAX offers {offered} devices instead; " if offered else "")
+                 + cause + (f" ({first})" if first else ""),
+                 where="--device cuda / SEXPGPU_DEVICE",
+                 fix=fix + "; sexpgpu doctor --device cuda says what else is missing")
+
+
 def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Placement:
   """Opens the device kind and the ranks SEXPGPU_DEVICES names (all visible GPUs when unset).
 
@@ -306,15 +323,15 @@ def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Place
   import jax
   if nodes_cfg is not None:
     # jax.distributed already limited each process to its SEXPGPU_DEVICES (local_device_ids)
-    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    try:
+      devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    except RuntimeError as e:  # a CUDA plugin whose backend failed to start
+      if kind == "cpu":
+        raise
+      raise cuda_unavailable(str(e)) from None
     if kind != "cpu" and any(d.platform not in ("gpu", "cuda") for d in devs):
       # a node whose CUDA backend failed: JAX answers with its CPU devices, never trained on
-      found = ", ".join(sorted({d.platform for d in devs}))
-      raise SxError("E-DEV-001", f"the cuda devices cannot be opened on this node: JAX "
-                    f"offers {found} devices instead", where="--device cuda / SEXPGPU_DEVICE",
-                    fix='pip install "sexpgpu[cuda]" (jax[cuda13]) on every node, with an '
-                    "NVIDIA driver of the 580 series or newer; sexpgpu doctor --device cuda "
-                    "says what is missing")
+      raise cuda_unavailable("", ", ".join(sorted({d.platform for d in devs})))
     counts = {}
     for d in devs:
       counts[d.process_index] = counts.get(d.process_index, 0) + 1
