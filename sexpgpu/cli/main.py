@@ -343,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
   _STARTUP["status"] = _status_path(argv)
   _STARTUP["command"] = argv[0] if argv else None
   stopped = False
+  if console:  # a stop during a long compile ends the process from the watchdog's thread
+    _signals.watch(lambda signum: os._exit(_stopped(_signals.Stopped(signum))))
   try:
     _signals.arm()
     code = _main(argv)
@@ -409,8 +411,7 @@ def _stopped(e: _signals.Stopped) -> int:
   import json
   name = _signals.SIGNALS.get(e.signum, str(e.signum))
   if _STARTUP.get("command") == "run":
-    output.write(sys.stderr, f"stopped: {name} during start-up, before the first step; "
-                 "no checkpoint written\n")
+    output.write(sys.stderr, _signals.startup_line(name) + "\n")
   else:
     output.write(sys.stderr, f"stopped: {name}\n")
   path = _STARTUP.get("status")

@@ -110,7 +110,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
     # --- the loop -------------------------------------------------------------------------
     step = start
     feed.start(progress.stage, start)
-    passes.run(state, start, start == progress.steps, feed.lock)
+    passes.first(state, start, feed.lock, stop)  # then a signal waits for a step boundary
     progress.set_status("running", step)
     try:
       while step < progress.steps and not stop.here():
@@ -155,7 +155,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
     saver.finish(step, state, choice.degree, feed.states, step > start or resume_dir is None)
     goodput = reports.finish(c, progress, counter, {"open": open_s, "step0": step0_s}, start,
                              step, profile, place, choice, metrics, log, t_begin)
-    return _summarize(c, o, progress, metrics, stop, step, goodput, log)
+    return _summarize(c, o, progress, metrics, stop, step, goodput, log, (state, place))
 
 
 def _freeze_the_compiler() -> None:
@@ -179,13 +179,16 @@ def _plan(c, o: RunOptions, training, resume_dir: str | None, saves: bool, progr
 
 
 def _summarize(c, o: RunOptions, progress: Progress, metrics, stop: Stop, step: int,
-               goodput: float, log) -> Summary:
+               goodput: float, log, last) -> Summary:
   """The summary: the status `done` or `stopped`, the metrics stream's last event, the
-  `done:` block (or nothing, under --json: the CLI prints the summary), a stop's line."""
+  `done:` block (or nothing, under --json: the CLI prints the summary), a stop's line.
+  `last` is the (state, placement) the run ended with: the summary reads its parameters
+  to the host when asked (Run.params in the API), not before."""
   progress.base.update(goodput=goodput, stopped_by=stop.name)
   summary = Summary(step, progress.train_loss, dict(progress.last_pass), dict(progress.counters),
                     progress.stage, metrics.summary_path(), o.status, c.slug, stop.name,
-                    progress.last_ckpt, stop.exit_code, goodput)
+                    progress.last_ckpt, stop.exit_code, goodput,
+                    lambda: {k: last[1].host(v) for k, v in last[0]["params"].items()})
   progress.set_status("stopped" if stop.signum else "done", step)
   metrics.emit("summary", **{n: v for n, v in summary.as_dict().items() if n != "kind"})
   metrics.close()

@@ -11,7 +11,7 @@ import numpy as np
 from sexpgpu.errors import SxError
 from sexpgpu.front.build import Builder
 from sexpgpu.front.values import Env
-from sexpgpu.run import output
+from sexpgpu.run import output, signals
 from sexpgpu.run.stepping import quiet
 
 
@@ -36,6 +36,14 @@ class Passes:
     """Whether any pass or sample runs after `step`."""
     return (at_end or any(due(p, step, self.c) for p in self.c.exp.passes.values())
             or self.samplers.due(step, at_end))
+
+  def first(self, state, step: int, lock, stop) -> None:
+    """The passes due as the loop starts (step 0's evaluation), unless a stop came during
+    start-up (none runs after it); from then on a stop signal is only recorded, and the
+    loop takes it at a step boundary (signals.loop_started)."""
+    if not stop.here():
+      self.run(state, step, step == self.progress.steps, lock)
+    signals.loop_started()
 
   def run(self, state, step: int, at_end: bool, lock) -> bool:
     """Every pass and sample due at `step`, holding `lock` (the loader's, which a pass may

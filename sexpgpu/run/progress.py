@@ -26,6 +26,8 @@ class Summary:
   checkpoint: str | None
   exit_code: int = 0
   goodput: float | None = None
+  # Reads the final parameters to the host (path → array) when asked: Run.params in the API.
+  read_params: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   def as_dict(self) -> dict:
     return {"kind": "summary", "steps": self.steps, "train_loss": self.train_loss,

@@ -16,7 +16,7 @@ from sexpgpu.env import check_visible, cpu_visible, rendezvous_timeout
 from sexpgpu.errors import SxError
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT
 from sexpgpu.lower.flops import device_peak, forward_bytes, train_flops
-from sexpgpu.run import output
+from sexpgpu.run import output, signals
 from sexpgpu.run.devices import (MMAP_CEILING, TRIM_CEILING, autotune_of, cpu_flags, deterministic,
                                  deterministic_flags, keep_host_memory, microbatches_divide,
                                  open_devices, parse_device_list)
@@ -106,10 +106,12 @@ def open_checkpoints(c, o, node: int):
     store = CheckpointStore(o.checkpoint_dir, c.slug, int(c.exp.run["keep"]))
     if node == 0:  # node 0 writes the checkpoints
       store.check_writable()
+  signals.starting(None, store is not None)  # what a stop's line says from now
   if not o.resume:
     return store, None, "-"
   from sexpgpu.ckpt import resolve_resume
   step_dir, text = resolve_resume(o.resume, o.checkpoint_dir, c.slug)
+  signals.starting(step_dir, store is not None)
   return store, step_dir, text
 
 

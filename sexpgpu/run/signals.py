@@ -1,10 +1,16 @@
 """The stop signals (SIGTERM, SIGINT, SIGHUP): which arrived first, from the first instruction.
 
 The CLI installs the handlers before it imports anything slow (`install()`). Until the
-training loop takes over, a signal stops start-up at once: the handler raises `Stopped`,
-which the CLI turns into status `stopped` and exit 128 + n. While the loop runs
-(`deferred()`), a signal only sets `FLAG.received`, which the loop reads at step
-boundaries, so the step in flight and the checkpoint finish first.
+training loop takes its first step (`loop_started()`), a signal stops start-up at once: the
+handler raises `Stopped`, which the CLI turns into status `stopped` and exit 128 + n. While
+the loop runs, a signal only sets `FLAG.received`, which the loop reads at step boundaries,
+so the step in flight and the checkpoint finish first.
+
+A Python handler runs only when the main thread runs Python: an XLA compile of 40 s would
+hold it back for 40 s. So the CLI also has a watchdog (`watch()`): a thread woken by the
+signal itself (through `signal.set_wakeup_fd`) that, when start-up has not taken the stop
+within GRACE_SECONDS, abandons the compile: it writes what the CLI writes and ends the
+process. Start-up has written nothing a stop could leave half done.
 
 Nothing here imports more than the standard library: it runs before everything else.
 """
@@ -13,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 # The signals that stop a run, and their names in the summary's `stopped_by`.
 SIGNALS: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT",
@@ -44,6 +51,7 @@ class Flag:
   def __init__(self):
     self.received: int | None = None
     self.raising = False
+    self.taken = threading.Event()  # set when start-up has raised Stopped
     self._old: dict[int, object] = {}
 
   @property
@@ -70,6 +78,7 @@ class Flag:
       signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
       return
     self.raising = False  # a second signal while start-up unwinds is only recorded
+    self.taken.set()
     raise Stopped(self.received)
 
   def _retry(self, signum, frame) -> None:
@@ -93,6 +102,7 @@ class Flag:
       return False
     self.received = None
     self.raising = raising
+    self.taken.clear()
     for s in SIGNALS:
       old = signal.getsignal(s)
       self._old[s] = old
@@ -113,6 +123,7 @@ class Flag:
   def check(self) -> None:
     """Raises Stopped when a signal has arrived (for start-up code that records only)."""
     if self.received is not None:
+      self.taken.set()
       raise Stopped(self.received)
 
 
@@ -150,6 +161,7 @@ def arm() -> None:
   FLAG.raising = True
   if FLAG.received is not None:
     FLAG.raising = False
+    FLAG.taken.set()
     raise Stopped(FLAG.received)
 
 
@@ -164,10 +176,106 @@ def deferred() -> Iterator[Flag]:
   Yields:
     FLAG; `FLAG.received` is the first stop signal (a number) or None.
   """
-  mine = FLAG.install(raising=False)
-  FLAG.raising = False
+  mine = FLAG.install(raising=False)  # armed by the CLI, it raises until loop_started()
   try:
     yield FLAG
   finally:
     if mine:
       FLAG.restore()
+
+
+def loop_started() -> None:
+  """The loop is about to take its first step: from now a stop signal is only recorded and
+  the loop stops at a step boundary, with a checkpoint (or at once, if one came before)."""
+  FLAG.raising = False
+
+
+# --- the watchdog: a stop while the main thread is inside a long native call -------------------
+
+# Seconds a stop signal may wait for start-up's own handler before the watchdog ends the run.
+GRACE_SECONDS = 0.5
+
+
+def watch(abandon: Callable[[int], None], grace: float = GRACE_SECONDS) -> bool:
+  """Starts the watchdog thread (main thread only, after install()).
+
+  Args:
+    abandon: called with the signal's number, from the watchdog thread, when start-up has
+      not taken a stop within `grace` seconds of it; it must end the process (os._exit).
+    grace: those seconds.
+
+  Returns:
+    Whether it started (False off the main thread or when it already runs).
+  """
+  if _WATCH or threading.current_thread() is not threading.main_thread():
+    return False
+  r, w = socket.socketpair()
+  r.setblocking(True)
+  w.setblocking(False)
+  try:
+    _WATCH["old_fd"] = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+  except ValueError:
+    return False
+  _WATCH.update(read=r, write=w)
+
+  def run() -> None:
+    while True:
+      try:
+        data = r.recv(64)
+      except OSError:
+        return
+      if not data:
+        return
+      for signum in data:
+        if signum in SIGNALS and FLAG.raising and not FLAG.taken.wait(grace) and FLAG.raising:
+          FLAG.raising = False  # the main thread, should it come back, only records it
+          abandon(FLAG.received if FLAG.received is not None else signum)
+          return
+
+  threading.Thread(target=run, name="sexpgpu-stop-watchdog", daemon=True).start()
+  return True
+
+
+_WATCH: dict = {}
+
+
+def stop_line(name: str, step: int | None, checkpoint: str | None,
+              located: bool | None) -> str:
+  """A stop's last line on standard error.
+
+  `stopped: SIGINT at step 12; checkpoint runs/x/12; continue with --resume latest`, or
+  `...; no checkpoint location: nothing saved`, or, before the run knew where it would
+  save, `stopped: SIGINT during start-up; nothing saved`.
+
+  Args:
+    name: the signal's name.
+    step: the step the run stopped at (None: start-up, before it was known).
+    checkpoint: the newest complete checkpoint, or None.
+    located: whether the run had a checkpoint location (None: not known yet).
+  """
+  if checkpoint is not None:
+    from sexpgpu.ckpt.where import scrub  # pylint: disable=import-outside-toplevel
+    return (f"stopped: {name} at step {step or 0}; checkpoint {scrub(checkpoint)}; "
+            "continue with --resume latest")
+  if step is None or located is None:
+    return f"stopped: {name} during start-up; nothing saved"
+  if not located:
+    return f"stopped: {name} at step {step}; no checkpoint location: nothing saved"
+  return f"stopped: {name} at step {step}; no checkpoint yet: nothing saved"
+
+
+# What start-up has learnt that a stop's line says: the step it starts at, the checkpoint it
+# resumes from, whether it has a checkpoint location (the loop fills it; see stop_line).
+START: dict = {"step": None, "checkpoint": None, "located": None}
+
+
+def starting(step_dir: str | None, located: bool) -> None:
+  """Records what a stop during start-up will say: the step folder a resume starts from
+  (its name is its step; None for a fresh run, at step 0) and whether there is a location."""
+  name = (step_dir or "").rstrip("/").rsplit("/", 1)[-1]
+  START.update(step=int(name) if name.isdigit() else 0, checkpoint=step_dir, located=located)
+
+
+def startup_line(name: str) -> str:
+  """The stop line of a stop during start-up, from what START holds."""
+  return stop_line(name, START["step"], START["checkpoint"], START["located"])

@@ -73,13 +73,10 @@ class Stop:
     return 128 + int(self.signum) if self.signum else 0
 
   def line(self, step: int, steps: int, checkpoint: str | None, located: bool) -> str:
-    """`stopped: SIGTERM at step S/N; checkpoint LOCATION` (standard error's last line)."""
-    from sexpgpu.ckpt.where import scrub
-    if checkpoint is not None:
-      where = f"checkpoint {scrub(checkpoint)}"
-    else:
-      where = "no checkpoint" + ("" if located else ": no checkpoint location was given")
-    return f"stopped: {self.name} at step {step}/{steps}; {where}"
+    """`stopped: SIGTERM at step S; checkpoint LOCATION; continue with --resume latest`
+    (standard error's last line; see signals.stop_line)."""
+    del steps  # the line names the step a resume starts from
+    return signals.stop_line(self.name, step, checkpoint, located)
 
 
 class Steps:
