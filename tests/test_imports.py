@@ -239,3 +239,35 @@ def test_a_package_at_the_same_place_is_no_back_arrow(tmp_path):
   (tmp_path / "sexpgpu" / "lower" / "b.py").write_text("")
   assert back_arrows(_modules(str(tmp_path / "sexpgpu")), ORDER) == []
 
+
+# --- the private handles sexpgpu keeps, each with its reason beside it ---------------------
+
+def test_private_handles_are_where_they_were():
+  """Each library attribute outside a public API that sexpgpu reaches by name (none is
+  imported) is still where its one user looks: this fails on the release that moves one,
+  before a multi-node run or a failed save meets it."""
+  import importlib
+  import threading
+
+  from sexpgpu.devices import nodes
+  from sexpgpu.lower import cuda_target
+
+  # devices/nodes.py: the jax.distributed client, and what the rendezvous calls on it
+  state = importlib.import_module(nodes.CLIENT_HOME).global_state
+  assert hasattr(state, "client")
+  from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+  for method in ("wait_at_barrier", "key_value_set", "blocking_key_value_get"):
+    assert hasattr(_jax.DistributedRuntimeClient, method), method
+  with pytest.raises(RuntimeError, match="no jax.distributed client"):
+    nodes.distributed_client()  # this process never initialized one
+  # ckpt/orbax_io.py cancel_stuck_threads: orbax's waiting thread and its signal keys
+  future = importlib.import_module("orbax.checkpoint._src.futures.future")
+  t = future._SignalingThread(target=lambda: None, send_signals=[], receive_signals=[],
+                              timeout_secs=1)
+  assert isinstance(t, threading.Thread) and not t.daemon
+  for attr in ("_cancelled", "_receive_signals", "_operation_id"):
+    assert hasattr(t, attr), attr
+  assert callable(future.signaling_client.get_signaling_client)
+  assert callable(future.AwaitableSignalsContract.get_unique_awaitable_singal_key)
+  # lower/cuda_target.py: cuDNN attention's version check
+  assert hasattr(importlib.import_module(cuda_target.CUDNN_MODULE), "check_cudnn_version")

@@ -82,7 +82,8 @@ def program_help(commands: dict[str, Callable]) -> str:
 def flag_rows(fv: flags.FlagValues) -> list[tuple[str, str, str]]:
   """(flag as typed, variable or "", one-line meaning) for each flag of `fv`, in order."""
   rows = []
-  for name, fl in fv._flags().items():  # absl keeps the definition order  # noqa: SLF001
+  for name in fv:  # absl iterates in the definition order
+    fl = fv[name]
     if name != fl.name:  # a short name (-o) points at the same flag
       continue
     spelled = "--" + name.replace("_", "-")
