@@ -257,3 +257,14 @@ def test_cross_entropy_over_an_all_false_mask_is_nan_chunked_or_not():
   b = lowering("chunked-cross-entropy", "cpu")(ctx, h, w, y, one, chunks=3)
   np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
   assert np.isfinite(float(a))
+
+
+# --- a keyword given twice ------------------------------------------------------------------
+
+def test_a_keyword_given_twice_is_e_form_001_naming_both_places():
+  err = _compile_error(_config("tiny-lm.sx", "(defrun :loss loss", "(defrun :seed 3 :loss loss"))
+  assert err.code == "E-FORM-001"
+  assert err.message == "keyword :seed is given twice (first at exp.sx:26:9)"
+  assert str(err.location) == "exp.sx:28:24" and err.fix == "keep one :seed"
+  err = _compile_error(_config("tiny-lm.sx", ":batch 4 :seed 7))", ":batch 4 :batch 8 :seed 7))"))
+  assert err.code == "E-FORM-001" and "keyword :batch is given twice" in err.message

@@ -225,6 +225,9 @@ def split_keywords(form: List, start: int, allowed: tuple[str, ...] | None, what
       if allowed is not None and key not in allowed:
         raise SxError("E-FORM-002", f"{what} has no keyword :{key}", location=it.loc,
                       fix="known keywords: " + " ".join(":" + a for a in allowed))
+      if key in kws:  # one value would silently win over the other
+        raise SxError("E-FORM-001", f"keyword :{key} is given twice (first at {locs[key]})",
+                      location=it.loc, fix=f"keep one :{key}")
       kws[key] = items[i + 1]
       locs[key] = it.loc
       i += 2
