@@ -191,7 +191,8 @@ def cmd_run(argv: list[str]) -> int:
     from sexpgpu.tools.bundle import open_bundle
     path, bundled_variant, bundled_sets = open_bundle(given)
     if variant is not None and variant != bundled_variant:
-      raise SxError("E-VARIANT-001", f"the bundle was made with --variant {bundled_variant}; "
+      made = f"--variant {bundled_variant}" if bundled_variant else "no --variant"
+      raise SxError("E-VARIANT-001", f"the bundle was made with {made}; "
                     f"--variant {variant} cannot replace it", where="--variant",
                     fix="drop --variant; a bundle runs its own selection")
     variant, sets = bundled_variant, bundled_sets + sets  # a --set given here wins

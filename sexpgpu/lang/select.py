@@ -60,6 +60,12 @@ class Selection:
     return self.knobs[name].value
 
 
+def a_type(v: Any) -> str:
+  """The type of a knob's value with its article: `an integer`, `a float`."""
+  name = type_name(v)
+  return ("an " if name[0] in "aeiou" else "a ") + name
+
+
 def type_name(v: Any) -> str:
   if isinstance(v, bool):
     return "boolean"
@@ -79,8 +85,8 @@ def parse_as(text: str, like: Any, name: str, where: str) -> Any:
     SxError: E-KNOB-002 naming the type.
   """
   def bad():
-    return SxError("E-KNOB-002", f"`{text}` is not a {type_name(like)} (knob {name})",
-                   where=where, fix=f"give {name} a {type_name(like)} value, like {format_value(like)}")
+    return SxError("E-KNOB-002", f"`{text}` is not {a_type(like)} (knob {name})",
+                   where=where, fix=f"give {name} {a_type(like)} value, like {format_value(like)}")
   if isinstance(like, bool):
     if text in ("true", "false"):
       return text == "true"
@@ -116,9 +122,9 @@ def coerce(value: Any, like: Any, name: str, loc) -> Any:
   if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if type_name(value) != type_name(like):
-    raise SxError("E-KNOB-002", f"knob {name} is a {type_name(like)}; "
-                  f"`{format_value(value)}` is a {type_name(value)}", location=loc,
-                  fix=f"give {name} a {type_name(like)} value, like {format_value(like)}")
+    raise SxError("E-KNOB-002", f"knob {name} is {a_type(like)}; "
+                  f"`{format_value(value)}` is {a_type(value)}", location=loc,
+                  fix=f"give {name} {a_type(like)} value, like {format_value(like)}")
   return value
 
 

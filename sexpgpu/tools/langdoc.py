@@ -98,9 +98,9 @@ LOADER_KEYWORDS = {
     "stream": "an independent stream of the same source (0, 1, ...)",
     "shuffle": "shuffle records (default: true for training, false for passes)",
     "split": "[FROM TO] fractions of the records, such as [0 0.9]",
-    "digits": "digits per operand", "dtype": "u16 (default) or u32 token width",
-    "fields": "[x y]: the arrays to read", "pack": "concat (default: documents end to end) or docs (whole documents a row)",
-    "offsets": "random (default for training: rows cut anew each epoch) or fixed",
+    "digits": "digits per operand", "dtype": "the token file's width, u16 by default",
+    "fields": "[x y]: the arrays to read", "pack": "concat (the default) lays documents end to end; docs places whole documents in rows",
+    "offsets": "random (the default for training) cuts rows anew each epoch; fixed (passes) does not",
     "stride": "tokens between windows (default seq)", "path": "the file (relative or s3://)",
     "components": "written positionally: (mix (0.7 LOADER) (0.3 LOADER) :batch B)",
 }
@@ -263,6 +263,13 @@ def _table(header: tuple[str, ...], rows) -> list[str]:
   return lines
 
 
+def _choices(keyword: str) -> str:
+  """`; one of `concat` `docs`` for a keyword whose value is a name, from the loaders' tables."""
+  from sexpgpu.data import KINDS
+  names = [n for cls in KINDS.values() for n in cls.arg_table.choices.get(keyword, ())]
+  return "; one of " + " ".join(f"`{n}`" for n in dict.fromkeys(names)) if names else ""
+
+
 def generate() -> str:
   """The text of docs/language.md from the code's tables and the meanings above.
 
@@ -313,7 +320,8 @@ def generate() -> str:
   used = sorted({k for cls in KINDS.values() for k in list(cls.arg_table.required)
                  + list(cls.arg_table.optional)} | {k for ks in LOADER_KINDS.values() for k in ks})
   out += ["", "Loader keywords:", ""]
-  out += _table(("keyword", "meaning"), [(f"`:{k}`", LOADER_KEYWORDS[k]) for k in used])
+  out += _table(("keyword", "meaning"), [(f"`:{k}`", LOADER_KEYWORDS[k] + _choices(k))
+                                         for k in used])
   out += ["", "## Optimizers and schedules", ""]
   out += _table(("optimizer", "keywords"), [(f"`{n}`", " ".join(f"`:{k}`" for k in ks))
                                             for n, ks in OPTIMIZERS.items()])
