@@ -1,7 +1,15 @@
-"""Decoding benchmark: `sexpgpu sample`'s incremental and recompute paths vs a hand KV cache.
+"""Decoding benchmark: `sexpgpu sample`'s incremental and recompute paths vs hand decoders.
 
 Usage:
-  python benchmarks/bench_decode.py [--shape small|tiny] [--tokens N] [--rounds R] [--json F]
+  python benchmarks/bench_decode.py [--model gpt2|mamba] [--shape small|tiny] [--tokens N]
+                                    [--rounds R] [--json F]
+
+`--model mamba` decodes a `mamba` (configs/mamba-tiny.sx, the knobs of MAMBA_SHAPES) two
+ways: sexpgpu's incremental decoder (the compiler keeps each layer's conv window and scan
+state) and a recurrent decoder written by hand in JAX (`hand_mamba_decoder`: the same two
+states a layer, one token a step in a `lax.fori_loop`, the prompt fed one token at a time);
+the recompute path is left out (a Mamba's window is 8192 positions). The default below is
+GPT-2's:
 
 One `gpt2` model (configs/gpt2-small.sx, variant smoke, with the knobs of SHAPES) and one
 set of initial parameters, decoded greedily (temperature 0) for N new tokens after a short
@@ -46,6 +54,12 @@ SHAPES = {
     "tiny": {"vocab": 64, "width": 32, "layers": 1, "heads": 2, "context": 64},
 }
 DEFAULT_TOKENS = {"small": 512, "tiny": 16}
+MAMBA_SX = os.path.join(ROOT, "configs", "mamba-tiny.sx")
+MAMBA_SHAPES = {  # configs/mamba-tiny.sx's knobs
+    "small": {"vocab": 2048, "width": 256, "layers": 4, "state": 16, "dt-rank": 16},
+    "tiny": {"vocab": 64, "width": 32, "layers": 1, "state": 4, "dt-rank": 2},
+}
+MAMBA_LEGS = ("incremental", "hand")
 PROMPT = [5, 17, 3, 42, 8, 1, 29, 11]  # ids below every shape's vocabulary
 # hand-window: the hand decoder with sexpgpu's cache of the whole window and its prefill over
 # the padded window; reported, no target (incremental/hand-window is sexpgpu's own overhead).
@@ -60,7 +74,7 @@ def _cpu_flags() -> None:
   cpu_flags()
 
 
-def build(shape_name: str, seed: int = 1):
+def build(shape_name: str, seed: int = 1, model: str = "gpt2"):
   """The compiled experiment and its host parameters (`exp.init(seed)`).
 
   Returns:
@@ -68,8 +82,10 @@ def build(shape_name: str, seed: int = 1):
   """
   import numpy as np
   import sexpgpu
-  set_ = dict(SHAPES[shape_name])
-  exp = sexpgpu.compile(SX, variant="smoke", set=set_)
+  if model == "mamba":
+    exp = sexpgpu.compile(MAMBA_SX, set=dict(MAMBA_SHAPES[shape_name]))
+  else:
+    exp = sexpgpu.compile(SX, variant="smoke", set=dict(SHAPES[shape_name]))
   return exp._c, {k: np.asarray(v) for k, v in exp.init(seed).params.items()}
 
 
@@ -179,6 +195,85 @@ def hand_decoder(cfg: dict, n_prompt: int, tokens: int, window: int | None = Non
   return jax.jit(decode)
 
 
+# --- the hand-written Mamba decoder ------------------------------------------------------
+def hand_mamba_params(c, params: dict) -> tuple[dict, dict]:
+  """The mamba's weights under short names (per-layer ones stacked on axis 0), and its shape.
+
+  The `.sx` paths are the twin's (sexpgpu/models/twin_families.py): `<root>embeddings`,
+  `<root>norm_f/scale` and `<root>layers/mamba-block/{norm/scale,mixer/…}`.
+  """
+  import jax.numpy as jnp
+  from sexpgpu.models import twin, twin_families
+  g = twin.find(c.params, c.stages[0].graph, "bench_decode")
+  blk = g.root + twin_families.MAMBA_SCOPE
+  p = {"emb": params[g.root + "embeddings"], "norm_f": params[g.root + "norm_f/scale"]}
+  for rel in twin_families.MAMBA_BLOCK:
+    p[rel.replace("/", "_")] = params[blk + rel]
+  k = g.config
+  return ({n: jnp.asarray(v, jnp.float32) for n, v in p.items()},
+          {"layers": k["num_hidden_layers"], "state": k["state_size"], "rank":
+           k["time_step_rank"], "eps": k["layer_norm_epsilon"], "kernel": k["conv_kernel"],
+           "inner": k["intermediate_size"]})
+
+
+def hand_mamba_decoder(cfg: dict, n_prompt: int, tokens: int):
+  """A jitted `ids = decode(p, prompt)`: Mamba's recurrent form, greedy, written by hand.
+
+  Each layer keeps the conv's last kernel-1 inputs [1 k-1 e] and the scan's state [1 e N];
+  a step takes one token through every layer (unrolled) and updates both, as transformers'
+  MambaMixer does when it decodes with its cache. The prompt goes through the same step
+  one token at a time, then the new tokens, all in `lax.fori_loop`s.
+  """
+  import jax
+  import jax.numpy as jnp
+  L, N, r, eps, k, e = (cfg["layers"], cfg["state"], cfg["rank"], cfg["eps"], cfg["kernel"],
+                        cfg["inner"])
+
+  def rms(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+  def layer(p, i, x, conv, ssm):
+    """x [1 d], conv [1 k-1 e], ssm [1 e N] → x, conv, ssm after one position."""
+    v, gate = jnp.split(rms(x, p["norm_scale"][i]) @ p["mixer_in_proj_w"][i], 2, -1)
+    win = jnp.concatenate([conv, v[:, None]], 1)  # [1 k e], the oldest input first
+    v = jax.nn.silu(jnp.sum(win * p["mixer_conv1d_w"][i][:, 0], 1) + p["mixer_conv1d_b"][i])
+    dbc = v @ p["mixer_x_proj_w"][i]
+    dt = jax.nn.softplus(dbc[:, :r] @ p["mixer_dt_proj_w"][i] + p["mixer_dt_proj_b"][i])
+    b, cc = dbc[:, r:r + N], dbc[:, r + N:]
+    a = -jnp.exp(p["mixer_A_log"][i])  # [e N]
+    ssm = jnp.exp(dt[..., None] * a) * ssm + dt[..., None] * b[:, None] * v[..., None]
+    y = jnp.einsum("ben,bn->be", ssm, cc) + v * p["mixer_D"][i]
+    return x + (y * jax.nn.silu(gate)) @ p["mixer_out_proj_w"][i], win[:, 1:], ssm
+
+  def step(p, token, states):
+    x = p["emb"][token][None]  # [1 d]
+    new = []
+    for i in range(L):  # unrolled: L is small and static
+      x, conv, ssm = layer(p, i, x, *states[i])
+      new.append((conv, ssm))
+    return (rms(x, p["norm_f"]) @ p["emb"].T)[0], new
+
+  def decode(p, prompt):
+    states = [(jnp.zeros((1, k - 1, e), jnp.float32), jnp.zeros((1, e, N), jnp.float32))
+              for _ in range(L)]
+    logits = jnp.zeros((p["emb"].shape[0],), jnp.float32)
+
+    def feed(i, carry):
+      return step(p, prompt[i], carry[1])
+
+    logits, states = jax.lax.fori_loop(0, n_prompt, feed, (logits, states))
+    out = jnp.zeros((tokens,), jnp.int32).at[0].set(jnp.argmax(logits).astype(jnp.int32))
+
+    def gen(i, carry):
+      out, states = carry
+      logits, states = step(p, out[i - 1], states)
+      return out.at[i].set(jnp.argmax(logits).astype(jnp.int32)), states
+
+    return jax.lax.fori_loop(1, tokens, gen, (out, states))[0]
+
+  return jax.jit(decode)
+
+
 # --- the driver ---------------------------------------------------------------------------
 def _timed(f, args) -> tuple[list[int], float]:
   import numpy as np
@@ -239,10 +334,50 @@ def bench(shape_name: str, tokens: int, rounds: int) -> dict:
                          "compile_s": compile_s[leg]} for leg in LEGS}}
 
 
+def bench_mamba(shape_name: str, tokens: int, rounds: int) -> dict:
+  """The mamba's two legs (sexpgpu's incremental decoder, the hand recurrent decoder),
+  checked to agree and timed in rotating rounds, as `bench` does."""
+  import jax.numpy as jnp
+  from sexpgpu.models import sample
+  t0 = time.perf_counter()
+  c, params = build(shape_name, model="mamba")
+  setup_s = time.perf_counter() - t0
+  s = sample.Settings(tokens=tokens, temperature=0.0)
+  prompt = PROMPT
+  res = sample.generate(c, FN, params, prompt, s)
+  if res.path != "incremental":
+    raise RuntimeError(f"generate took the {res.path} path: {res.reason}")
+  ids = {"incremental (generate)": res.ids}
+  t = time.perf_counter()
+  f, args, _ = sexpgpu_decoder(c, params, prompt, s, "incremental")
+  legs, compile_s = {"incremental": (f, args)}, {"incremental": time.perf_counter() - t}
+  t = time.perf_counter()
+  p, cfg = hand_mamba_params(c, params)
+  args = (p, jnp.asarray(prompt, jnp.int32))
+  legs["hand"] = (hand_mamba_decoder(cfg, len(prompt), tokens).lower(*args).compile(), args)
+  compile_s["hand"] = time.perf_counter() - t
+  for leg, (f, a) in legs.items():
+    ids[leg], _ = _timed(f, a)
+  ref = ids["incremental"]
+  agree = {k: v == ref for k, v in ids.items()}
+  times = {leg: [] for leg in MAMBA_LEGS}
+  for r in range(rounds):
+    for leg in MAMBA_LEGS[r % 2:] + MAMBA_LEGS[:r % 2]:
+      got, secs = _timed(*legs[leg])
+      agree[leg] = agree[leg] and got == ref
+      times[leg].append(secs)
+  return {"model_kind": "mamba", "shape": shape_name, "model": MAMBA_SHAPES[shape_name],
+          "prompt": len(prompt), "tokens": tokens, "rounds": rounds, "setup_s": setup_s,
+          "agree": agree, "ids": ref, "sample_tok_s": {"incremental": res.tokens_per_s},
+          "legs": {leg: {"round_s": times[leg], "tok_s": tokens / statistics.median(times[leg]),
+                         "compile_s": compile_s[leg]} for leg in MAMBA_LEGS}}
+
+
 def report(res: dict) -> list[str]:
   """The legs' table and the ratio lines."""
   L = res["legs"]
-  lines = [f"== {res['shape']} gpt2 {res['model']}: {res['prompt']}-token prompt, "
+  lines = [f"== {res['shape']} {res.get('model_kind', 'gpt2')} {res['model']}: "
+           f"{res['prompt']}-token prompt, "
            f"{res['tokens']} new tokens greedy, {res['rounds']} rounds",
            f"{'leg':12} {'tok/s':>9} {'compile s':>10}  rounds s"]
   for leg, x in L.items():
@@ -251,7 +386,7 @@ def report(res: dict) -> list[str]:
   lines.append("sample's own tok/s (generate, first run after compile): " + ", ".join(
       f"{k} {v:.1f}" for k, v in res["sample_tok_s"].items()))
   inc = L["incremental"]["round_s"]
-  for other in LEGS[1:]:
+  for other in list(L)[1:]:
     # a round runs the legs back to back: its ratio is a paired comparison
     per = [o / i for i, o in zip(inc, L[other]["round_s"])]
     r = statistics.median(per)
@@ -267,6 +402,7 @@ def report(res: dict) -> list[str]:
 def main(argv=None) -> int:
   """Runs the benchmark; exit 1 when the legs choose different tokens."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default="gpt2", choices=("gpt2", "mamba"))
   ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
   ap.add_argument("--tokens", type=int, default=None, help="new tokens a call (default: "
                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_TOKENS.items()) + ")")
@@ -274,7 +410,8 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="also write the results here")
   a = ap.parse_args(argv)
   _cpu_flags()
-  res = bench(a.shape, a.tokens or DEFAULT_TOKENS[a.shape], a.rounds)
+  run = bench_mamba if a.model == "mamba" else bench
+  res = run(a.shape, a.tokens or DEFAULT_TOKENS[a.shape], a.rounds)
   print("\n".join(report(res)), flush=True)
   if a.json:
     with open(a.json, "w") as f:
