@@ -268,3 +268,14 @@ def test_a_keyword_given_twice_is_e_form_001_naming_both_places():
   assert str(err.location) == "exp.sx:28:24" and err.fix == "keep one :seed"
   err = _compile_error(_config("tiny-lm.sx", ":batch 4 :seed 7))", ":batch 4 :batch 8 :seed 7))"))
   assert err.code == "E-FORM-001" and "keyword :batch is given twice" in err.message
+
+
+def test_absls_flagfile_is_no_flag_of_sexpgpu(capsys, tmp_path, monkeypatch):
+  """absl would read any file as flags: the environment of /proc/self/environ became the
+  experiment's path, printed whole in the error."""
+  monkeypatch.setenv("SXTESTSECRET", "hunter2")
+  for flag in ("--flagfile=/proc/self/environ", "-flagfile=/proc/self/environ",
+               "--undefok=steps"):
+    code, out, err = _cli(capsys, "check", flag)
+    assert code == 1 and "hunter2" not in err + out
+    assert f"error[E-FORM-001]: sexpgpu check has no flag --{flag.lstrip('-').split('=')[0]}" in err

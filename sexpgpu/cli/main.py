@@ -100,6 +100,7 @@ def _parse(fv: flags.FlagValues, argv: list[str], command: str) -> list[str]:
 
 
 HELP_FLAGS = ("-h", "--help", "-help", "--helpfull")
+ABSL_ONLY = ("flagfile", "undefok")
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
 _DECIMAL_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
@@ -128,6 +129,9 @@ def _check_values(fv: flags.FlagValues, argv: list[str], command: str) -> None:
     if not _looks_like_flag(token):
       continue
     name, eq, value = token.lstrip("-").partition("=")
+    if name in ABSL_ONLY:  # absl's own: it would read any file's lines as flags and arguments
+      raise SxError("E-FORM-001", f"sexpgpu {command} has no flag --{name}",
+                    where="--" + name, fix=f"sexpgpu {command} --help lists the flags")
     if name not in fv or fv[name].boolean:
       continue  # absl reports an unknown flag; a boolean takes no separate value
     shown = "--" + name.replace("_", "-")
