@@ -184,20 +184,24 @@ def _cold_run(tmp_path, tag):
   """tiny-lm with an empty XLA cache (so it compiles), eval at step 0, SIGINT as in a shell."""
   cache = tmp_path / f"cache-{tag}"
   status = tmp_path / f"{tag}.json"
-  p = subprocess.Popen(
-      sexpgpu_cmd("run", "configs/tiny-lm.sx", "--variant", "smoke", "--steps", "100000",
-                  "--eval-every", "5", "--status", str(status)),
-      cwd=ROOT, env={**os.environ, "SEXPGPU_CACHE_DIR": str(cache)}, stdout=subprocess.DEVNULL,
-      stderr=subprocess.PIPE, text=True,
-      preexec_fn=_as_a_shell_starts_it)
+  # SIGINT as a terminal's Ctrl-C meets it (a handler, which exec resets to the default; not
+  # ignored, as for a background job), and blocked as _start blocks it: one sent before the
+  # interpreter reaches our first import waits. Set here around the spawn, not in a
+  # preexec_fn: this process has JAX's threads.
+  old_int = signal.getsignal(signal.SIGINT)
+  if old_int is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, list(signals.SIGNALS))
+  try:
+    p = subprocess.Popen(
+        sexpgpu_cmd("run", "configs/tiny-lm.sx", "--variant", "smoke", "--steps", "100000",
+                    "--eval-every", "5", "--status", str(status)),
+        cwd=ROOT, env={**os.environ, "SEXPGPU_CACHE_DIR": str(cache)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    signal.signal(signal.SIGINT, old_int)
   return p, status
-
-
-def _as_a_shell_starts_it():
-  # SIGINT as a terminal's Ctrl-C meets it (not ignored, as it is for a background job), and
-  # blocked as _start does: one sent before the interpreter reaches our first import waits.
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-  signal.pthread_sigmask(signal.SIG_BLOCK, list(signals.SIGNALS))
 
 
 def _state(status):

@@ -12,16 +12,17 @@ signal itself (through `signal.set_wakeup_fd`) that, when start-up has not taken
 within GRACE_SECONDS, abandons the compile: it writes what the CLI writes and ends the
 process. Start-up has written nothing a stop could leave half done.
 
-Nothing here imports more than the standard library: it runs before everything else.
+Nothing here imports more than the standard library, and little of it before install(): it
+runs before everything else. Before the interpreter reaches this module (its own start-up,
+about 0.1 s), a Ctrl-C is Python's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 # The signals that stop a run, and their names in the summary's `stopped_by`.
 SIGNALS: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT",
@@ -209,6 +210,7 @@ def watch(abandon: Callable[[int], None], grace: float = GRACE_SECONDS) -> bool:
   """
   if _WATCH or threading.current_thread() is not threading.main_thread():
     return False
+  import socket  # pylint: disable=import-outside-toplevel  (here, not before install())
   r, w = socket.socketpair()
   r.setblocking(True)
   w.setblocking(False)
