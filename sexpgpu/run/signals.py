@@ -194,7 +194,7 @@ def loop_started() -> None:
 # --- the watchdog: a stop while the main thread is inside a long native call -------------------
 
 # Seconds a stop signal may wait for start-up's own handler before the watchdog ends the run.
-GRACE_SECONDS = 0.5
+GRACE_SECONDS = 0.2
 
 
 def watch(abandon: Callable[[int], None], grace: float = GRACE_SECONDS) -> bool:
