@@ -134,16 +134,17 @@ def test_check_target_cuda_gpt2_small_bf16_is_cudnn(gpt2_bf16):
   lines = gpt2_bf16.splitlines()
   assert lines[0].startswith("target: cuda, 1 rank (replicate), bf16; cuDNN 9.")
   assert [ln.split()[0] for ln in lines[1:]] == [
-      "train", "attention", "custom", "flops", "memory", "pass", "attention", "custom",
-      "estimate"]
+      "train", "attention", "custom", "flops", "memory", "estimate", "pass", "attention",
+      "custom"]
   assert lines[2].endswith("12 regions at std/gpt2.sx:24:38 → cudnn (causal)")
   # the forward twice (remat recomputes it for the backward), one backward
   assert lines[3].split(None, 2)[2] == ("__cudnn$fmhaSoftmax 2, "
                                         "__cudnn$fmhaSoftmaxBackward 1")
-  assert lines[7].endswith("12 regions at std/gpt2.sx:24:38 → cudnn (causal)")
-  assert lines[8].split(None, 2)[2] == "__cudnn$fmhaSoftmax 1"
   assert "not known without the GPU compiler" in lines[5]
-  assert "H100 (989 TFLOP/s bf16" in lines[9] and "an estimate, not a measurement" in lines[9]
+  # the estimate is the train step's: it stands under the train step, before the passes
+  assert "H100 (989 TFLOP/s bf16" in lines[6] and "an estimate, not a measurement" in lines[6]
+  assert lines[8].endswith("12 regions at std/gpt2.sx:24:38 → cudnn (causal)")
+  assert lines[9].split(None, 2)[2] == "__cudnn$fmhaSoftmax 1"
 
 
 def test_check_target_cuda_print_hlo_is_the_cuda_stablehlo():

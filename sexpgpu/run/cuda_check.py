@@ -164,6 +164,8 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
   lines.append(_line("flops", f"{flops:.3g} a step (the graph's count: forward and backward)"))
   lines.append(_line("memory", "not known without the GPU compiler (run it on the GPU: "
                      "sexpgpu check --print plan --device cuda)"))
+  if gpu is not None:  # the estimate is the train step's, so it stands under it
+    lines += _roofline(c, training, gpu, flops, state)
   params = training.place_abstract(state)["params"]
   for name, ps in training.pass_steps.items():
     p = c.exp.passes[name]
@@ -177,6 +179,4 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
       raise _lower_error(c, f"pass {name}", e) from None
     lines.append(f"pass {name}:")
     lines += _step_lines(c, ptext, ps.notes)
-  if gpu is not None:
-    lines += _roofline(c, training, gpu, flops, state)
   return "\n".join(lines) + "\n"
