@@ -23,8 +23,6 @@ from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.paths import check_cache_value, scrub
 from sexpgpu.reader.read import parse_int, shown
 
-FIX_DEVICES = "list visible ordinals once each, SEXPGPU_DEVICES=0,1"
-FIX_NODES = "set all three on every node, with SEXPGPU_DEVICE=cuda"
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
 DEFAULT_REMOTE_TIMEOUT = 300.0
 # The largest count or ordinal a variable may give: what an int32 holds.
@@ -65,11 +63,11 @@ def _val(env: Mapping[str, str], name: str) -> str | None:
 
 
 def _dp001(message: str) -> SxError:
-  return SxError("E-DP-001", message, where="SEXPGPU_DEVICES", fix=FIX_DEVICES)
+  return SxError("E-DP-001", message, where="SEXPGPU_DEVICES")  # the catalogue's fix
 
 
 def _dp005(message: str, where: str) -> SxError:
-  return SxError("E-DP-005", message, where=where, fix=FIX_NODES)
+  return SxError("E-DP-005", message, where=where)  # the catalogue's fix
 
 
 @dataclasses.dataclass(frozen=True)

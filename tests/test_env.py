@@ -122,6 +122,7 @@ def test_sweep_reads_devices_with_the_one_parser(monkeypatch):
 def test_metrics_spec_is_parsed_once_for_flag_and_variable():
   from sexpgpu.track import metrics
   assert metrics.parse_metrics is env.parse_metrics
+  assert tuple(metrics.SCHEMES) == env.METRICS_SCHEMES  # each scheme parsed has its target
   assert env.parse_metrics("jsonl:a.jsonl, mlflow:file:x") == [
       ("jsonl:a.jsonl", "jsonl", "a.jsonl"), ("mlflow:file:x", "mlflow", "file:x")]
   for where in ("--metrics", "SEXPGPU_METRICS"):

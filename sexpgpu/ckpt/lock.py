@@ -74,9 +74,7 @@ def stale_reason(holder: dict, now: float | None = None) -> str | None:
 
 def _held_error(run_dir: str, holder: dict, where: str) -> SxError:
   return SxError("E-CKPT-005", f"the checkpoint location {scrub(run_dir)} is in use by "
-                 f"another run: {describe(holder)}", where=where,
-                 fix="wait for that run to end (or stop it), or give this run another "
-                 "--checkpoint-dir or SEXPGPU_RUN_SLUG")
+                 f"another run: {describe(holder)}", where=where)
 
 
 class RunLock:

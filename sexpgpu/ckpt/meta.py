@@ -67,7 +67,7 @@ def check_placement(meta: Mapping[str, Any], step_dir: str, ranks: int, nodes: i
   raise SxError("E-DP-002", f"the checkpoint was written by {meta.get('ranks')} ranks on "
                 f"{meta.get('nodes')} nodes; this run has {ranks} rank"
                 f"{'s' if ranks != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}",
-                where=step_dir, fix="resume with the checkpoint's nodes and devices")
+                where=step_dir)
 
 
 def check_experiment(meta: Mapping[str, Any], step_dir: str, fingerprint: str,

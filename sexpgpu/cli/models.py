@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from absl import flags
 
-from sexpgpu.cli.main import _parse, _selection_flags, _sets
 from sexpgpu import env
+from sexpgpu.cli.main import _parse, _selection_flags, _sets
 from sexpgpu.errors import SxError
 from sexpgpu.lang.blame import guarded
 from sexpgpu.run import output

@@ -64,8 +64,7 @@ def window(c, fn: str) -> int:
     except SxError:
       continue
   raise SxError("E-SAMPLE-001", f"`({fn} tokens)` builds on no window of the loaders' "
-                f"lengths {lengths}", where=f"--fn {fn}",
-                fix="pass --fn a function of tokens [b t] that returns logits [b t vocab]")
+                f"lengths {lengths}", where=f"--fn {fn}")
 
 
 def choose(logits, key, s: Settings):

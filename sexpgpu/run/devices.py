@@ -27,8 +27,7 @@ def open_device(kind: str):
   version = driver_version()
   if version is not None and int(version.split(".")[0]) < MIN_DRIVER:
     raise SxError("E-DEV-003", f"the NVIDIA driver {version} is older than the {MIN_DRIVER} "
-                  "series that CUDA 13 needs", where="--device cuda / SEXPGPU_DEVICE",
-                  fix=f"install an NVIDIA driver of the {MIN_DRIVER} series or newer")
+                  "series that CUDA 13 needs", where="--device cuda / SEXPGPU_DEVICE")
   deterministic_flags()
   try:
     devs = jax.devices("cuda")
@@ -337,8 +336,7 @@ def open_devices(kind: str, ordinals: list[int] | None, nodes_cfg=None) -> Place
       counts[d.process_index] = counts.get(d.process_index, 0) + 1
     if len(set(counts.values())) != 1:
       raise SxError("E-DP-006", "the nodes have different device counts: " + ", ".join(
-          f"node {p} {n}" for p, n in sorted(counts.items())), where="SEXPGPU_DEVICES",
-          fix="the same files, flags, device count and checkpoint location on every node")
+          f"node {p} {n}" for p, n in sorted(counts.items())), where="SEXPGPU_DEVICES")
     return Placement(kind, devs, nodes_cfg.nodes)
   if kind == "cpu":
     cpu_flags()

@@ -184,8 +184,8 @@ def _verify(archive: str, dest: str, names: set[str]) -> dict:
     files = manifest["files"]
     manifest["experiment"]
   except (OSError, ValueError, KeyError, TypeError):
-    raise SxError("E-BUNDLE-002", f"{archive} has no readable manifest.json", where=archive,
-                  fix="make the archive with sexpgpu bundle") from None
+    raise SxError("E-BUNDLE-002", f"{archive} has no readable manifest.json",
+                  where=archive) from None
   listed = set(files) | {MANIFEST}
   extra = sorted(n for n in names - listed if not n.endswith("/"))
   if extra:
