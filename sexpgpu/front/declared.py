@@ -13,6 +13,7 @@ from typing import Any
 
 from sexpgpu.errors import SxError
 from sexpgpu.front.build import Builder, Call, describe, is_number, is_tensor
+from sexpgpu.front.scans import FRONT
 from sexpgpu.front.values import Builtin
 from sexpgpu.ir.opdef import ATTR_TYPES, DTYPES, OPS, REQUIRED, Attr, OpDef
 from sexpgpu.reader import Symbol
@@ -224,7 +225,6 @@ def builtins_for(names: list[str]) -> dict[str, Builtin]:
 
 def builtins(existing: dict[str, Builtin]) -> dict[str, Builtin]:
   """Builtins for every declared op that has no front end of its own in `existing`."""
-  from sexpgpu.front.scans import FRONT  # it reads calls with this module's readers
   out = {"top-k": Builtin("top-k", _top_k)}
   out.update({name: Builtin(name, fn) for name, fn in FRONT.items()})
   for name, op in OPS.items():

@@ -14,7 +14,6 @@ from typing import Any
 
 from sexpgpu.errors import SxError
 from sexpgpu.front.build import Builder, Call, _Frame, describe, is_tensor
-from sexpgpu.front.declared import _BAD, _attr_value
 from sexpgpu.front.values import Builtin, Closure
 from sexpgpu.ir.graph import TUPLE, Fn, Node, type_str
 from sexpgpu.ir.opdef import OPS
@@ -72,18 +71,18 @@ def _read(b: Builder, call: Call, usage: str, positional: int) -> tuple[int, boo
 
 def _axis(call: Call, v: Any, xs: tuple[Node, ...], usage: str) -> int:
   """The axis resolved against XS's first tensor; every tensor of XS has it, of one length."""
-  op = OPS[call.name]
   rank = len(xs[0].shape)
-  a = _attr_value(op, op.attr("axis"), v, rank) if rank else _BAD
   where = call.kw_forms["axis"].loc if "axis" in call.kw_forms else call.loc
-  if a is _BAD or a is None:
-    if isinstance(v, int) and not isinstance(v, bool):
+  is_int = isinstance(v, int) and not isinstance(v, bool)
+  if not is_int or not -rank <= v < rank:
+    if is_int:
       raise SxError("E-SHAPE-001", f"{call.name}: axis {v} is out of range for XS of rank "
                     f"{rank}", location=where,
                     fix=f"use an axis in {-rank}..{rank - 1}" if rank else
                     "scan a tensor with at least one axis")
     raise SxError("E-TYPE-001", f"{call.name}: :axis is a static integer; found {describe(v)}",
                   location=where, fix=f"write {usage}")
+  a = v % rank
   n = xs[0].shape[a]
   for x in xs[1:]:
     if len(x.shape) <= a or x.shape[a] != n:
