@@ -266,3 +266,14 @@ def test_import_names_every_difference_of_a_mixtral_or_mamba_folder(tmp_path, ca
       assert "state_size 4 there, 8 here" in err and "conv_kernel 3 there, 4 here" in err
       assert "backbone.layers.0.mixer.A_log: float32[64, 4] there, [64, 8] here" in err
       assert "backbone.layers.1.mixer.conv1d.weight: float32[64, 1, 3] there, [64, 1, 4] here" in err
+
+
+def test_a_warm_start_from_the_twins_folder_equals_its_import(kind, twin_import):
+  from sexpgpu.models import warm
+  _, want = twin_import
+  hf = os.path.join(kind.tmp, "saved-by-transformers")
+  got, what = warm.load(kind.c, f"hf:{hf}")  # what a run with :init-from "hf:DIR" starts from
+  assert warm.check(kind.c, got, what, partial=False) == [] and what == f"hf:{hf}"
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -47,7 +47,8 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
     The files written.
 
   Raises:
-    SxError: E-EXPORT-001 when `fmt` is hf and the model is neither a gpt2 nor a llama.
+    SxError: E-EXPORT-001 when `fmt` is hf and the model is not a gpt2, llama, mixtral or
+      mamba.
   """
   if tokenizer and not os.path.isfile(tokenizer):
     raise SxError("E-FORM-001", f"no tokenizer file {tokenizer}", where="--tokenizer",
@@ -81,10 +82,11 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
 
 
 def import_twin(c, folder: str, out: str) -> str:
-  """A step-0 checkpoint of experiment `c` from a Hugging Face GPT-2 or Llama folder.
+  """A step-0 checkpoint of experiment `c` from a Hugging Face GPT-2, Llama, Mixtral or Mamba
+  folder.
 
   Args:
-    c: the Compiled experiment (a gpt2 or llama model).
+    c: the Compiled experiment (a gpt2, llama, mixtral or mamba model).
     folder: a folder with config.json and model.safetensors (PyTorch or Flax names).
     out: the checkpoint location; the step folder is `<out>/<slug>/0`.
 
