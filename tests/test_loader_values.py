@@ -40,3 +40,13 @@ def test_the_reference_lists_exactly_the_names_the_loaders_take():
 def test_each_listed_name_is_accepted(kind, key, name):
   err = _compile_error(_source(kind, f" :{key} {name}"))
   assert err is None or err.code == "E-LOAD-001", err  # past the keywords: the missing file
+
+
+@pytest.mark.parametrize("kind,key", sorted({(k, key) for k, key, _ in CHOICES}))
+def test_any_other_name_is_refused_at_its_place_with_the_names(kind, key):
+  err = _compile_error(_source(kind, f" :{key} bogus"))
+  assert err is not None and err.code == "E-FORM-001", err
+  text = err.render()
+  assert "--> keywords.sx:3:" in text and f"`:{key}` is bogus" in text
+  for name in KINDS[kind].arg_table.choices[key]:
+    assert f":{key} {name}" in err.fix

@@ -56,7 +56,8 @@ def bind_args(spec: LoaderSpec, table: ArgTable) -> dict[str, Any]:
     The arguments, every optional keyword present.
 
   Raises:
-    SxError: E-FORM-002 for an unknown keyword, E-FORM-001 for a missing one.
+    SxError: E-FORM-002 for an unknown keyword, E-FORM-001 for a missing one or a name
+      that is not one of its keyword's choices.
   """
   known = table.known()
   for key in spec.args:
@@ -75,6 +76,14 @@ def bind_args(spec: LoaderSpec, table: ArgTable) -> dict[str, Any]:
           f"loader `{spec.name}`: `{spec.kind}` needs {_show_key(key)}",
           location=spec.location,
           fix=f"write ({spec.kind} {_usage(table)})")
+  for key, names in table.choices.items():
+    if key in spec.args and str(spec.args[key]) not in names:
+      hint = did_you_mean(str(spec.args[key]), list(names))
+      raise SxError(
+          "E-FORM-001",
+          f"loader `{spec.name}`: `:{key}` is {str(spec.args[key])[:60]}, expected one of "
+          + ", ".join(names), location=spec.location,
+          fix=(hint + " " if hint else "") + f"write :{key} " + f" or :{key} ".join(names))
   args = dict(table.optional)
   args.update(spec.args)
   return args

@@ -181,13 +181,18 @@ def documents(source: Source, data: bytes, field: str) -> list[str]:
     value = record.get(field) if isinstance(record, dict) else None
     if not isinstance(value, str):
       found = "no field" if not isinstance(record, dict) or field not in record else (
-          f"a {type(value).__name__}")
+          _JSON_TYPES.get(type(value), "a value"))
       raise tok_error(source.uri, f"line {n} has {found} `{field}`, expected a string",
                       "pass --field with the name of the text field", line=n)
     docs.append(value)
   if not docs:
     raise tok_error(source.uri, "no documents (every line is blank)", "give it JSON lines")
   return docs
+
+
+# A JSON value's type as a message names it ("line 3 has a number `text`").
+_JSON_TYPES = {int: "a number", float: "a number", bool: "a boolean", list: "a list",
+               dict: "an object", type(None): "null"}
 
 
 def _text(source: Source, data: bytes) -> str:
