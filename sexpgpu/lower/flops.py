@@ -104,7 +104,7 @@ def _scan(node: Node) -> int:
   if node.op == "associative-scan":  # and an addition an element to interleave each level
     n = node.inputs[0].shape[node.attr("axis")]
     flops += interleaved(n) * sum(math.prod(s) // n for d, s in node.attr("types")
-                                  if d != "bool")
+                                  if d != "bool") if n else 0
   return flops
 
 
