@@ -160,7 +160,7 @@ def _mixtral(tmp_path_factory) -> Kind:
   return Kind("mixtral", str(tmp_path_factory.mktemp("mixtral-aux")))
 
 
-def test_mixtral_aux_loss_equals_transformers_load_balancing_loss(tmp_path_factory):
+def test_mixtral_aux_loss_and_a_training_step_equal_the_twins(tmp_path_factory):
   from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
   from sexpgpu.ir.ops import LowerCtx
   from sexpgpu.lower.interp import run_graph
@@ -184,6 +184,28 @@ def test_mixtral_aux_loss_equals_transformers_load_balancing_loss(tmp_path_facto
                          LowerCtx("f32", None, False, [], None))["out"])
   assert abs(ours - theirs) < 1e-6 and abs(ours - 0.02 * float(out.aux_loss)) < 1e-6
   assert theirs > 0.02 * 2 * 0.9  # top-2 of 4 experts: about 2 when balanced, never 0
+  # a training step's loss and gradients: the loss here (next-token cross-entropy plus the
+  # weighted aux loss) is the twin's on the same window, and so is every gradient
+  import jax
+  from sexpgpu.models import twin as twins
+  batch = np.random.RandomState(3).randint(0, 40, (4, 17)).astype(np.int32)  # the loader's
+  g = k.c.stages[0].graph
+  ctx = LowerCtx("f32", None, False, [], None)
+  loss, grads = jax.value_and_grad(
+      lambda p: run_graph(g, p, {"tokens": batch}, ctx)["out"])(
+          forward.device_params(k.c, params))
+  x = torch.tensor(batch, dtype=torch.long)
+  out = twin(x[:, :-1], output_router_logits=True)
+  want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), x[:, 1:].reshape(-1))
+  want = want + 0.02 * out.aux_loss
+  want.backward()
+  assert abs(float(loss) - float(want.detach())) < 1e-6
+  theirs = {n: p.grad.numpy() for n, p in twin.named_parameters()}
+  mine = twins.to_twin(twins.find(k.c.params, g, "test"),
+                       {n: np.asarray(v) for n, v in grads.items()})
+  assert sorted(mine) == sorted(theirs)
+  for n in theirs:
+    np.testing.assert_allclose(mine[n], theirs[n], atol=2e-6, rtol=1e-4, err_msg=n)
 
 
 def _decode_plan(c, w):
