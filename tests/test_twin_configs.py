@@ -40,6 +40,14 @@ def test_mixtral_8x7b_has_its_published_parameter_count_and_config():
       "tie_word_embeddings": False}
 
 
+def test_mixtrals_top_k_and_aux_weight_are_read_from_its_graph():
+  c = compile_file(os.path.join(CONFIGS, "mixtral-tiny.sx"), variant="smoke",
+                   sets=[("experts-per-token", "1"), ("router-aux", "0.05")])
+  cfg = find(c.params, c.stages[0].graph, "test").config
+  assert (cfg["num_experts_per_tok"], cfg["router_aux_loss_coef"], cfg["num_local_experts"],
+          cfg["head_dim"]) == (1, 0.05, 4, 8)
+
+
 def test_mamba_130m_has_its_published_parameter_count_and_config():
   count, cfg = _published("mamba-tiny", "mamba-130m")
   assert count == MAMBA_130M
