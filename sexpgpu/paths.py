@@ -144,6 +144,14 @@ def scrub(text: str) -> str:
   return text
 
 
+def redact(uri: str) -> str:
+  """A URI without its `user:secret@` and its query (signed-URL keys): the location alone,
+  for messages and cache keys. Its credentials are remembered as `scrub` remembers them, so
+  a library's error that repeats them is masked too."""
+  scrub(uri)
+  return _URL_USER.sub(r"\1", uri).split("?", 1)[0]
+
+
 def scheme(location: str) -> str | None:
   """The location's protocol, lowercased ("s3", "gs", "file"), or None for a plain path."""
   protocol, _ = split_protocol(location)
@@ -153,6 +161,45 @@ def scheme(location: str) -> str | None:
 def is_remote(location: str) -> bool:
   """True for an object store location: s3://, gs:// or gcs://."""
   return scheme(location) in REMOTE_PACKAGES
+
+
+def endpoint() -> str | None:
+  """The S3 endpoint every remote read and write uses: AWS_ENDPOINT_URL_S3, else
+  AWS_ENDPOINT_URL (the order boto3 reads them in), else None for AWS itself."""
+  return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def remote_filesystem(location: str, fresh: bool = True):
+  """The fsspec filesystem and path of a remote location: the one place a store is opened.
+
+  S3 is opened at `endpoint()`, with short connect and read timeouts and no retries of its
+  own: `retrying` retries what may pass, with a line and SEXPGPU_REMOTE_TIMEOUT as its
+  bound, and a dead server is reported at once.
+
+  Args:
+    location: an `s3://`, `gs://` or `gcs://` URI.
+    fresh: a new instance, whose listings are read anew (a loader checking whether its
+      object changed); False reuses fsspec's instance for these options in this thread,
+      whose client is already made (a look-up that must answer within seconds).
+
+  Returns:
+    (filesystem, path inside it: `bucket/key`).
+
+  Raises:
+    ImportError: the store's package (s3fs, gcsfs) is missing.
+    ValueError: the location is no URI fsspec knows.
+  """
+  import fsspec  # pylint: disable=import-outside-toplevel  (s3fs, gcsfs load with it)
+  options: dict = {"skip_instance_cache": fresh}
+  if scheme(location) == "s3":
+    options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60,
+                                "retries": {"max_attempts": 1, "mode": "standard"}}
+    if endpoint():
+      options["client_kwargs"] = {"endpoint_url": endpoint()}
+  fs, path = fsspec.core.url_to_fs(location, **options)
+  if scheme(location) == "s3":
+    fs.retries = 1  # s3fs's own retry loop around each call, beside botocore's
+  return fs, path
 
 
 @contextlib.contextmanager

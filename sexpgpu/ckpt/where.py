@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from sexpgpu.errors import SxError
 from sexpgpu.paths import is_remote, scrub  # noqa: F401  (ckpt/ imports them from here)
+from sexpgpu.paths import remote_filesystem
 from sexpgpu.retrying import bounded
 
 # The marker written last into a remote step folder: a step counts only with it.
@@ -32,7 +32,7 @@ def reason(exc: BaseException) -> str:
 
 
 def remote_fs(location: str, where: str):
-  """The fsspec filesystem for a remote location (s3fs honours AWS_ENDPOINT_URL).
+  """The fsspec filesystem for a remote location (paths.remote_filesystem's).
 
   Args:
     location: an `s3://` or `gs://` URI.
@@ -42,14 +42,15 @@ def remote_fs(location: str, where: str):
     An fsspec filesystem.
 
   Raises:
-    SxError: E-CKPT-004 when the filesystem's package is missing.
+    SxError: E-CKPT-004 when the filesystem's package is missing, or opening it (gcsfs
+      looks for its credentials, a metadata server among them) passes
+      SEXPGPU_REMOTE_TIMEOUT.
   """
   try:
-    if location.startswith("s3://"):
-      return _s3_fs()
-    import gcsfs  # pylint: disable=import-outside-toplevel
-    # its credentials are looked for (a metadata server among them) as it is made
-    return bounded(f"opening {scrub(location)}", gcsfs.GCSFileSystem)
+    # fsspec's instance, as checkpoints always used: each bounded look-up would otherwise
+    # pay for a new client, seconds on a loaded machine
+    return bounded(f"opening {scrub(location)}",
+                   lambda: remote_filesystem(location, fresh=False)[0])
   except TimeoutError as e:
     raise SxError("E-CKPT-004", f"cannot open checkpoint location {scrub(location)}: {e}",
                   where=where, fix="check the network and the credentials "
@@ -59,20 +60,6 @@ def remote_fs(location: str, where: str):
     raise SxError("E-CKPT-004", f"cannot open checkpoint location {scrub(location)}: "
                   f"the package {pkg} is not installed", where=where,
                   fix=f"pip install {pkg}") from e
-
-
-def _s3_fs():
-  import s3fs  # pylint: disable=import-outside-toplevel
-  endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-  client_kwargs = {"endpoint_url": endpoint} if endpoint else {}
-  fs = s3fs.S3FileSystem(
-      client_kwargs=client_kwargs,
-      config_kwargs={"connect_timeout": 5, "read_timeout": 60,
-                     "retries": {"max_attempts": 1, "mode": "standard"}})
-  # No silent retries below ours: retrying.call retries what may pass, with a line and
-  # SEXPGPU_REMOTE_TIMEOUT as its bound, and a dead server is reported at once.
-  fs.retries = 1
-  return fs
 
 
 def strip_scheme(uri: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 from sexpgpu.data.spec import LoaderSpec, load_error, redact
 from sexpgpu.paths import REMOTE_PACKAGES, is_remote, scheme  # noqa: F401  (is_remote: for data/)
 from sexpgpu.paths import cache_dir as default_cache_dir
+from sexpgpu.paths import endpoint, remote_filesystem, replacing, write_atomic
 from sexpgpu.retrying import call as retried
 
 
@@ -63,12 +64,9 @@ def fetch(spec: LoaderSpec, uri: str, cache_dir: str) -> str:
   sidecar = local + ".meta.json"
   if _cached(local, sidecar, stamp):
     return local
-  os.makedirs(folder, exist_ok=True)
-  partial = f"{local}.partial-{os.getpid()}"
-  _call(spec, uri, fs, fs.get_file, path, partial)
-  os.replace(partial, local)
-  with open(sidecar, "w", encoding="utf-8") as f:
-    json.dump(stamp, f)
+  with replacing(local) as partial:
+    _call(spec, uri, fs, fs.get_file, path, partial)
+  write_atomic(sidecar, json.dumps(stamp))
   return local
 
 
@@ -89,15 +87,8 @@ def _etag(info: dict[str, Any]) -> str | None:
 
 
 def _filesystem(spec: LoaderSpec, uri: str):
-  import fsspec  # pylint: disable=import-outside-toplevel
-  options: dict[str, Any] = {"skip_instance_cache": True}
-  if uri.lower().startswith("s3://"):
-    options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60,
-                                "retries": {"max_attempts": 2}}
-    if os.environ.get("AWS_ENDPOINT_URL"):
-      options["client_kwargs"] = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
   try:
-    return fsspec.core.url_to_fs(uri, **options)
+    return remote_filesystem(uri)
   except ImportError:
     package = REMOTE_PACKAGES[scheme(uri)]
     raise load_error("E-LOAD-004", spec, uri, f"cannot read this store: {package} is not installed",
@@ -128,7 +119,7 @@ def _call(spec: LoaderSpec, uri: str, fs, method, *args):
   A store that answered before in this process is retried with backoff while it fails for
   a passing reason (SEXPGPU_REMOTE_TIMEOUT); one that never answered is reported at once.
   """
-  store = os.environ.get("AWS_ENDPOINT_URL") or scheme(uri) or "remote"
+  store = endpoint() or scheme(uri) or "remote"
   try:
     return retried(f"fetch of {redact(uri)}", method, *args, prefix="data", store=store,
                    describe=lambda e: type(e).__name__)

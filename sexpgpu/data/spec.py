@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Mapping
 
 from sexpgpu.errors import Loc, SxError, did_you_mean
+from sexpgpu.paths import redact  # noqa: F401  (data/ imports it from here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,14 +174,6 @@ def fraction_range(spec: LoaderSpec, value: Any) -> tuple[float, float]:
     raise form_error(spec, f"`:split` is {value!r}, expected [a b] with 0 <= a < b <= 1",
                      "write :split [0 0.9] for the first 90% of the file")
   return float(value[0]), float(value[1])
-
-
-_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
-
-
-def redact(uri: str) -> str:
-  """A URI with any `user:secret@` part and query string removed, for messages."""
-  return _USERINFO.sub(r"\1", uri).split("?", 1)[0]
 
 
 def load_error(code: str, spec: LoaderSpec, file: str, message: str,

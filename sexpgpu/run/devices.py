@@ -11,6 +11,7 @@ from sexpgpu import env
 from sexpgpu.env import check_visible, cpu_visible, parse_switch
 from sexpgpu.env import parse_device_list  # noqa: F401  (SEXPGPU_DEVICES's one parser)
 from sexpgpu.errors import SxError
+from sexpgpu.paths import write_atomic
 
 
 def open_device(kind: str):
@@ -152,10 +153,7 @@ def deterministic_flags(autotune: dict | None = None) -> None:
   if autotune is not None:
     path = _resumed_path(autotune["results"])
     if not os.path.exists(path):  # written whole, then renamed: a reader never sees half
-      tmp = f"{path}.{os.getpid()}.tmp"
-      with open(tmp, "w") as f:
-        f.write(autotune["results"])
-      os.replace(tmp, path)
+      write_atomic(path, autotune["results"])
     want["xla_gpu_load_autotune_results_from"] = path
   for name, value in want.items():
     if name not in flags:

@@ -7,11 +7,11 @@ import glob
 import io
 import json
 import os
-from typing import Any
 
 from sexpgpu.data.remote import is_remote
 from sexpgpu.data.spec import redact
 from sexpgpu.errors import SxError
+from sexpgpu.paths import remote_filesystem
 
 # How a file is read, by its extension: "text" is one document a file, "jsonl" one a line,
 # "parquet" one a row. A file without an extension (README, COPYING) is text.
@@ -43,13 +43,9 @@ def tok_error(source: str, message: str, fix: str, line: int | None = None) -> S
 
 
 def remote_fs(uri: str):
-  """The fsspec filesystem and path of an s3:// or gs:// URI (AWS_ENDPOINT_URL honoured)."""
-  import fsspec  # pylint: disable=import-outside-toplevel
-  options: dict[str, Any] = {"skip_instance_cache": True}
-  if uri.lower().startswith("s3://") and os.environ.get("AWS_ENDPOINT_URL"):
-    options["client_kwargs"] = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+  """The fsspec filesystem and path of an s3:// or gs:// URI (paths.remote_filesystem's)."""
   try:
-    return fsspec.core.url_to_fs(uri, **options)
+    return remote_filesystem(uri)
   except (ImportError, ValueError) as e:
     raise tok_error(uri, f"cannot open this store ({e})",
                     "install s3fs or gcsfs, and write s3://bucket/prefix") from None

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import os
 import time
 from typing import Any
 
 from sexpgpu.errors import SxError
-from sexpgpu.paths import scrub
+from sexpgpu.paths import scrub, write_atomic
 from sexpgpu.track.events import to_json
 from sexpgpu.track.targets import ensure_dir, os_reason
 
@@ -18,7 +16,6 @@ from sexpgpu.track.targets import ensure_dir, os_reason
 THROTTLE_SECONDS = 1.0
 STATES = ("compiling", "running", "evaluating", "checkpointing", "stopped",
           "done", "failed")
-_COUNTER = itertools.count()
 
 
 class StatusFile:
@@ -134,18 +131,5 @@ def read_status(path: str) -> dict:
 
 def _replace(path: str, text: str) -> None:
   """Writes `text` beside `path`, syncs it, then renames it over `path`."""
-  directory = os.path.dirname(os.path.abspath(path))
-  ensure_dir(directory)
-  temp = os.path.join(directory, f".{os.path.basename(path)}."
-                                  f"{os.getpid()}.{next(_COUNTER)}.tmp")
-  fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(temp, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.unlink(temp)
-    raise
+  ensure_dir(os.path.dirname(os.path.abspath(path)))
+  write_atomic(path, text + "\n", sync=True)
