@@ -1,4 +1,5 @@
-"""A moto S3 server on 127.0.0.1 for tests: moto_server() and s3_env(endpoint)."""
+"""A moto S3 server on 127.0.0.1 for tests (conftest's `moto_endpoint` runs one per session):
+moto_server(), make_bucket(), bucket_fs() and s3_env(endpoint)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ def s3_env(endpoint: str) -> dict[str, str]:
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
 
 
-@contextlib.contextmanager
-def moto_with_bucket(bucket: str) -> Iterator[str]:
-  """A moto server (its endpoint) on which `bucket` exists."""
-  with moto_server() as endpoint:
-    import s3fs  # pylint: disable=import-outside-toplevel
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, key="testing",
-                      secret="testing").mkdir(bucket)
-    yield endpoint
+def make_bucket(endpoint: str, bucket: str) -> str:
+  """`bucket` made on the server at `endpoint` unless it is there; returns `endpoint`."""
+  import s3fs  # pylint: disable=import-outside-toplevel
+  fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, key="testing",
+                         secret="testing", skip_instance_cache=True)
+  if not fs.exists(bucket):
+    fs.mkdir(bucket)
+  return endpoint
 
 
 def bucket_fs(endpoint: str, bucket: str, monkeypatch):

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -250,33 +248,10 @@ def test_unwritable_location(tmp_path):
 # -- s3 (moto) ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def moto():
-  """A moto S3 server on 127.0.0.1; yields its endpoint URL."""
-  port = _free_port()
-  proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                           "-p", str(port)], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  url = f"http://127.0.0.1:{port}"
-  deadline = time.monotonic() + 30
-  while True:
-    try:
-      urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-      break
-    except OSError:
-      if time.monotonic() > deadline or proc.poll() is not None:
-        proc.kill()
-        raise RuntimeError("moto server did not start")
-      time.sleep(0.1)
-  yield url
-  proc.terminate()
-  proc.wait(10)
+def moto(moto_endpoint):
+  """The session's moto S3 server (conftest); its endpoint URL."""
+  return moto_endpoint
 
 
 def _aws_env(monkeypatch, endpoint):

@@ -13,9 +13,9 @@ from sexpgpu.data import remote
 from sexpgpu.errors import Loc, SxError
 
 try:
-  from tests.s3server import bucket_fs, moto_server, s3_env
+  from tests.s3server import bucket_fs, free_port, s3_env
 except ImportError:
-  from s3server import bucket_fs, moto_server, s3_env
+  from s3server import bucket_fs, free_port, s3_env
 
 LOC = Loc("exp.sx", 3, 1)
 
@@ -287,9 +287,8 @@ def test_redact_removes_credentials():
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-  with moto_server() as url:
-    yield url
+def endpoint(moto_endpoint):
+  return moto_endpoint
 
 
 @pytest.fixture
@@ -337,8 +336,7 @@ def test_s3_missing_object_is_001_and_missing_bucket_is_004(s3, tmp_path):
 
 
 def test_unreachable_store_is_004_without_credentials(monkeypatch, tmp_path):
-  with moto_server() as url:
-    pass  # the server is stopped: nothing listens on its port now
+  url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
   for key, value in s3_env(url).items():
     monkeypatch.setenv(key, value)
   with pytest.raises(SxError) as e:

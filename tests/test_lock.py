@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import ROOT, sexpgpu_cmd
-from s3server import moto_with_bucket, s3_env
+from s3server import make_bucket, s3_env
 from sexpgpu.ckpt import CheckpointStore
 from sexpgpu.errors import SxError
 
@@ -21,9 +21,8 @@ EXP = os.path.join(ROOT, "tests", "data", "faults.sx")
 
 
 @pytest.fixture(scope="module")
-def moto():
-  with moto_with_bucket("locks") as endpoint:
-    yield endpoint
+def moto(moto_endpoint):
+  return make_bucket(moto_endpoint, "locks")
 
 
 def _env(endpoint=None):

@@ -12,23 +12,16 @@ import s3fs
 
 from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.ckpt import remote
-from s3server import KillableProxy, moto_server, s3_env
+from s3server import KillableProxy, make_bucket, s3_env
 
 EXP = os.path.join(ROOT, "tests", "data", "curriculum.sx")
 SECRET = "sexpgpuTestSecretKey0123456789"
 
 
 @pytest.fixture(scope="module")
-def moto():
-  with moto_server() as endpoint:
-    import s3fs
-    saved = dict(os.environ)
-    os.environ.update(s3_env(endpoint))
-    os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET
-    s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir("runs")
-    os.environ.clear()
-    os.environ.update(saved)
-    yield endpoint
+def moto(moto_endpoint):
+  """The session's moto S3 server (conftest), with the bucket `runs`."""
+  return make_bucket(moto_endpoint, "runs")
 
 
 def _env(endpoint, tmp=None):

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, sexpgpu_cmd
 from faultproxy import OutageProxy
-from s3server import moto_with_bucket, s3_env
+from s3server import make_bucket, s3_env
 
 EXP = os.path.join(ROOT, "tests", "data", "faults.sx")
 STEPS = "steps=60"
@@ -22,9 +22,8 @@ COMMIT_PUT = rb"^PUT .*/COMMIT HTTP"
 
 
 @pytest.fixture(scope="module")
-def moto():
-  with moto_with_bucket("blips") as endpoint:
-    yield endpoint
+def moto(moto_endpoint):
+  return make_bucket(moto_endpoint, "blips")
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,16 @@ from sexpgpu.errors import SxError
 from sexpgpu.tools.tokenize import Options, tokenize
 
 try:
-  from tests.s3server import bucket_fs, moto_server
+  from tests.s3server import bucket_fs
 except ImportError:
-  from s3server import bucket_fs, moto_server
+  from s3server import bucket_fs
 
 SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "data", "*.txt")))
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-  with moto_server() as url:
-    yield url
+def endpoint(moto_endpoint):
+  return moto_endpoint
 
 
 @pytest.fixture
