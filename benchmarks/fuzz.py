@@ -408,7 +408,10 @@ def fuzz(count: int, runs: int, seed: int, folder: str, start: int = 0,
     with open(path, "wb") as f:
       f.write(data)
     argv, _ = _argv(i, count, runs, path, flags)
+    before = dict(OUTCOMES)
     found = feed(path, argv, env, invalid)
+    ended = next((f"{c}-{k}" for (c, k), v in OUTCOMES.items() if before.get((c, k), 0) != v),
+                 f"{argv[0]}-escaped")
     if found:
       keep = os.path.join(folder, f"finding{seed}-{i}.sx")
       with open(keep, "wb") as f:
@@ -417,7 +420,7 @@ def fuzz(count: int, runs: int, seed: int, folder: str, start: int = 0,
       if report is not None:
         report.write("finding " + json.dumps(findings[-1]) + "\n")
     if report is not None:
-      report.write(f"done {i} {argv[0]} {time.perf_counter() - t0:.2f}\n")
+      report.write(f"done {i} {ended} {time.perf_counter() - t0:.2f}\n")
       report.flush()
   return count - start, findings
 
@@ -486,6 +489,7 @@ def supervise(count: int, runs: int, seed: int, folder: str, hang_s: float = 60.
           elif kind == "done":
             n, command, secs = rest.split()
             fed += 1
+            command = command.replace("-", " exit ")
             outcomes[command] = outcomes.get(command, 0) + 1
             if float(secs) > slowest[0]:
               slowest = (float(secs), int(n))
