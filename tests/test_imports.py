@@ -197,10 +197,6 @@ def back_arrows(modules: dict[str, str], order: list[str]) -> list[str]:
 
 with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as _f:
   ORDER = layout_order(_f.read())
-# sexpgpu/env.py, every SEXPGPU_* variable's parser, sits just below the reader (it quotes
-# values with the reader's integer parser) until README's layout lists it there itself.
-if "sexpgpu.env" not in ORDER:
-  ORDER.insert(ORDER.index("sexpgpu.reader") + 1, "sexpgpu.env")
 
 
 def test_readme_lists_every_package_once():
