@@ -153,7 +153,8 @@ _ENTRIES = (
           "pass --fn NAME, a function of the tokens that returns logits [b t vocab]"),
     Entry("E-EXPORT-001",
           "a model with parameters that have no place in the chosen format's twin (naming them)",
-          "build the model from std/gpt2, or export with --format safetensors"),
+          "build the model from std/gpt2, std/llama, std/mixtral or std/mamba, or export with "
+          "--format safetensors"),
     Entry("E-INIT-001",
           "a warm start whose parameters are missing, extra, or of another shape or dtype "
           "(both sides listed)",
