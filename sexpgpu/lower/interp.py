@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -15,9 +15,16 @@ from sexpgpu.lower.rules import lowering
 
 UNROLL_MAX = 4
 
+# What a rule returns for a node it leaves to the evaluator's own handling.
+NOT_HANDLED = object()
+
+# `rule(node, env)`: a node's value computed some other way (decoding's caches, a table
+# read at an offset), or NOT_HANDLED. Looked up before the evaluator's own handling.
+Rule = Callable[[Node, dict], Any]
+
 
 def run_graph(graph: Graph, params: dict[str, Any], inputs: dict[str, Any], ctx: LowerCtx,
-              taps: dict[str, list] | None = None) -> dict[str, Any]:
+              taps: dict[str, list] | None = None, rule: Rule | None = None) -> dict[str, Any]:
   """The graph's outputs for these parameter and input values.
 
   Args:
@@ -25,17 +32,28 @@ def run_graph(graph: Graph, params: dict[str, Any], inputs: dict[str, Any], ctx:
     inputs: batch field → array.
     ctx: precision, rng, training flag and the platform whose lowering rules apply.
     taps: when given, filled with tap name → values recorded in this call.
+    rule: asked first for each node outside bodies (see `evaluate`): decoding's caches.
   """
   env: dict[int, Any] = {}
   roots = list(graph.outputs.values()) + [n for ns in graph.taps.values() for n in ns]
-  _eval(roots, env, params, inputs, ctx, taps)
+  evaluate(roots, env, params, inputs, ctx, taps, rule)
   return {k: env[v.uid] for k, v in graph.outputs.items()}
 
 
-def _eval(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps) -> None:
+def evaluate(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: LowerCtx,
+             taps=None, rule: Rule | None = None) -> None:
+  """Puts into `env` (uid → value) the values of `roots` and of the nodes they read, inputs
+  first, skipping those already there. `rule`, when given, is asked first for every node
+  (not inside a repeat's or a scan's body: a rule that keeps state per layer evaluates its
+  repeat's body itself, with a rule of its own)."""
   for node in walk(roots):
     if node.uid in env:
       continue
+    if rule is not None:
+      value = rule(node, env)
+      if value is not NOT_HANDLED:
+        env[node.uid] = value
+        continue
     op = node.op
     if op == "param":
       env[node.uid] = params[node.attr("path")]
@@ -48,12 +66,17 @@ def _eval(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: LowerCt
     elif isinstance(node.attr("body"), Fn):
       env[node.uid] = scan_value(node, env, params, inputs, ctx)
     else:
-      args = [env[i.uid] if isinstance(i, Node) else i for i in node.inputs]
+      args = arguments(node, env)
       attrs = {k: v for k, v in node.attrs}
       value = lowering(op, ctx.platform)(ctx, *args, **attrs)
       if op == "tap" and taps is not None:
         taps.setdefault(attrs["name"], []).append(value)
       env[node.uid] = value
+
+
+def arguments(node: Node, env: dict) -> list:
+  """A node's inputs' values (its constant inputs as they are), for its lowering rule."""
+  return [env[i.uid] if isinstance(i, Node) else i for i in node.inputs]
 
 
 def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps) -> Any:
@@ -69,7 +92,7 @@ def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, ta
     sub = dataclasses.replace(ctx, rng=None if ctx.rng is None else
                               jax.random.fold_in(ctx.rng, i))
     layer_taps = {} if taps is not None else None
-    _eval([body.output], local, {**outer_params, **layer_params}, inputs, sub, layer_taps)
+    evaluate([body.output], local, {**outer_params, **layer_params}, inputs, sub, layer_taps)
     out = local[body.output.uid]
     return out, layer_taps or {}
 
@@ -107,7 +130,7 @@ def body_fn(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx):
       local[a.uid] = v
     sub = ctx if index is None or ctx.rng is None else dataclasses.replace(
         ctx, rng=jax.random.fold_in(ctx.rng, index))
-    _eval(list(body.results), local, params, inputs, sub, None)
+    evaluate(list(body.results), local, params, inputs, sub, None)
     return tuple(local[r.uid] for r in body.results)
 
   if node.op == "scan":

@@ -149,10 +149,9 @@ def run(p: Plan, params: dict, tokens, ctx: LowerCtx, cache: dict | None, offset
     (stacked in front by the repeats around it).
   """
   out_cache: dict = {}
-  env: dict[int, Any] = {}
   valid = tokens.shape[-1] if valid is None else valid
-  _run(p, p.graph.nodes(), env, params, tokens, ctx, cache, out_cache, offset, valid)
-  return env[p.graph.outputs["out"].uid], out_cache
+  rule = _rules(p, params, tokens, ctx, cache, out_cache, offset, valid)
+  return interp.run_graph(p.graph, params, {}, ctx, rule=rule)["out"], out_cache
 
 
 def empty_cache(p: Plan, params: dict, ctx: LowerCtx, batch: int = 1) -> dict:
@@ -162,53 +161,49 @@ def empty_cache(p: Plan, params: dict, ctx: LowerCtx, batch: int = 1) -> dict:
   return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-def _run(p, nodes, env, params, tokens, ctx, cache, out_cache, offset, valid):
+def _rules(p, params, tokens, ctx, cache, out_cache, offset, valid) -> interp.Rule:
+  """What decoding evaluates differently from the reference interpreter (which does the
+  rest): the token input, the sdpa regions, carries, iotas and position tables of the plan,
+  reshapes of the time axis to this call's positions, and repeats that keep a cache per
+  layer. `params` are the ones the evaluator reads (a layer's, inside a repeat)."""
   step = cache is not None
   span = tokens.shape[-1]  # positions this call computes, from `offset` on
-  for n in nodes:
-    if n.uid in env:
-      continue
+
+  def rule(n: Node, env: dict) -> Any:
     op = n.op
     if op == "param":
-      value = params[n.attr("path")]
       if step and n.uid in p.tables:
-        value = jax.lax.dynamic_slice_in_dim(value, offset, span, axis=0)
-      env[n.uid] = value
-      continue
+        return jax.lax.dynamic_slice_in_dim(params[n.attr("path")], offset, span, axis=0)
+      return interp.NOT_HANDLED
     if op == "input":
-      env[n.uid] = tokens
-      continue
+      return tokens
     if op == "repeat":
-      env[n.uid] = _repeat(p, n, env, params, tokens, ctx, cache, out_cache, offset, valid)
-      continue
-    if op == "part":
-      env[n.uid] = env[n.inputs[0].uid][n.attr("index")]
-      continue
+      return _repeat(p, n, env, params, tokens, ctx, cache, out_cache, offset, valid)
     if isinstance(n.attr("body"), Fn):
-      env[n.uid] = (_scan(n, env, params, ctx, cache, out_cache, offset, valid)
-                    if n.uid in p.carries else interp.scan_value(n, env, params, {}, ctx))
-      continue
-    args = [env[i.uid] if isinstance(i, Node) else i for i in n.inputs]
-    attrs = dict(n.attrs)
+      return (_scan(n, env, params, ctx, cache, out_cache, offset, valid)
+              if n.uid in p.carries else interp.NOT_HANDLED)
     if op == "sdpa":
       group = p.grouped.get(n.uid)
       sources = (env[group[0].uid], env[group[1].uid], group[2]) if group else None
-      env[n.uid] = _attend(n, args, attrs, ctx, cache, out_cache, offset, sources)
-      continue
+      return _attend(n, interp.arguments(n, env), dict(n.attrs), ctx, cache, out_cache,
+                     offset, sources)
     if n.uid in p.carries:
-      env[n.uid] = _carry(p.carries[n.uid], n, args, attrs, ctx, cache, out_cache, valid)
-      continue
+      return _carry(p.carries[n.uid], n, interp.arguments(n, env), dict(n.attrs), ctx, cache,
+                    out_cache, valid)
     if step and n.uid in p.iotas:
-      env[n.uid] = offset + jnp.arange(span, dtype=jnp.int32)
-      continue
+      return offset + jnp.arange(span, dtype=jnp.int32)
     if step and n.uid in p.tables:
-      env[n.uid] = jax.lax.dynamic_slice_in_dim(args[0], offset, span, axis=attrs["axis"])
-      continue
+      return jax.lax.dynamic_slice_in_dim(env[n.inputs[0].uid], offset, span,
+                                          axis=n.attr("axis"))
     if step and op in ("reshape", "broadcast") and p.axes.get(n.uid) is not None:
+      attrs = dict(n.attrs)
       shape = list(attrs["shape"])
       shape[p.axes[n.uid]] = span
       attrs["shape"] = tuple(shape)
-    env[n.uid] = lowering(op, ctx.platform)(ctx, *args, **attrs)
+      return lowering(op, ctx.platform)(ctx, *interp.arguments(n, env), **attrs)
+    return interp.NOT_HANDLED
+
+  return rule
 
 
 def _carry(kind, n, args, attrs, ctx, cache, out_cache, valid):
@@ -319,7 +314,6 @@ def _repeat(p, node, env, params, tokens, ctx, cache, out_cache, offset, valid):
   body = node.attr("body")
   stacked = {k: params[k] for k in body.params}
   outer = {k: v for k, v in params.items() if k not in stacked}
-  nodes = list(walk([body.output]))
   mine = cache.get(node.uid) if cache is not None else None
 
   def layer(carry, xs):
@@ -327,8 +321,9 @@ def _repeat(p, node, env, params, tokens, ctx, cache, out_cache, offset, valid):
     local = dict(env)
     local[body.carry.uid] = carry
     inner: dict = {}
-    _run(p, nodes, local, {**outer, **layer_params}, tokens, ctx, layer_cache, inner, offset,
-         valid)
+    layer_params = {**outer, **layer_params}
+    interp.evaluate([body.output], local, layer_params, {}, ctx,
+                    rule=_rules(p, layer_params, tokens, ctx, layer_cache, inner, offset, valid))
     return local[body.output.uid], inner
 
   n = jax.tree_util.tree_leaves(stacked)[0].shape[0] if stacked else node.attr("n")
