@@ -79,21 +79,33 @@ def arguments(node: Node, env: dict) -> list:
   return [env[i.uid] if isinstance(i, Node) else i for i in node.inputs]
 
 
-def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps) -> Any:
+def split_params(node: Node, params: dict) -> tuple[dict, dict]:
+  """A repeat's stacked parameters (layers on the leading axis), and the others."""
+  stacked = {p: params[p] for p in node.attr("body").params}
+  return stacked, {k: v for k, v in params.items() if k not in stacked}
+
+
+def run_layer(node: Node, env: dict, carry, params: dict, inputs: dict, ctx: LowerCtx,
+              taps=None, rule: Rule | None = None) -> Any:
+  """One layer of a repeat: its body's output for this carry, `params` holding this layer's
+  slices of the stacked ones."""
   body = node.attr("body")
+  local = dict(env)
+  local[body.carry.uid] = carry
+  evaluate([body.output], local, params, inputs, ctx, taps, rule)
+  return local[body.output.uid]
+
+
+def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps) -> Any:
   n = node.attr("n")
-  stacked = {p: params[p] for p in body.params}
-  outer_params = {k: v for k, v in params.items() if k not in stacked}
+  stacked, outer_params = split_params(node, params)
 
   def step(carry, xs):
     layer_params, i = xs
-    local = dict(env)
-    local[body.carry.uid] = carry
     sub = dataclasses.replace(ctx, rng=None if ctx.rng is None else
                               jax.random.fold_in(ctx.rng, i))
     layer_taps = {} if taps is not None else None
-    evaluate([body.output], local, {**outer_params, **layer_params}, inputs, sub, layer_taps)
-    out = local[body.output.uid]
+    out = run_layer(node, env, carry, {**outer_params, **layer_params}, inputs, sub, layer_taps)
     return out, layer_taps or {}
 
   if node.attr("remat"):

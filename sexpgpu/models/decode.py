@@ -311,20 +311,15 @@ UNROLL_MAX = 48
 
 
 def _repeat(p, node, env, params, tokens, ctx, cache, out_cache, offset, valid):
-  body = node.attr("body")
-  stacked = {k: params[k] for k in body.params}
-  outer = {k: v for k, v in params.items() if k not in stacked}
+  stacked, outer = interp.split_params(node, params)
   mine = cache.get(node.uid) if cache is not None else None
 
   def layer(carry, xs):
     layer_params, layer_cache = xs
-    local = dict(env)
-    local[body.carry.uid] = carry
-    inner: dict = {}
     layer_params = {**outer, **layer_params}
-    interp.evaluate([body.output], local, layer_params, {}, ctx,
-                    rule=_rules(p, layer_params, tokens, ctx, layer_cache, inner, offset, valid))
-    return local[body.output.uid], inner
+    inner: dict = {}
+    rule = _rules(p, layer_params, tokens, ctx, layer_cache, inner, offset, valid)
+    return interp.run_layer(node, env, carry, layer_params, {}, ctx, rule=rule), inner
 
   n = jax.tree_util.tree_leaves(stacked)[0].shape[0] if stacked else node.attr("n")
   if n > UNROLL_MAX:
