@@ -14,15 +14,14 @@ a folder saved by a Flax twin (`kernel` transposed, `embedding`, `scale`) import
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from sexpgpu.errors import SxError
 from sexpgpu.models import twin_families as families
-from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _layers, _literal, _scope_nodes,
-                                      rotary)
+from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _differ_from_defaults, _layers,
+                                      _literal, _scope_nodes, rotary)
 
 FIX = ("build the model with (gpt2 tokens ...) from (require std/gpt2), (llama tokens ...) "
        "from (require std/llama), (mixtral tokens ...) from (require std/mixtral) or (mamba "
@@ -206,14 +205,7 @@ def _llama_config_problems(t: Twin, theirs: dict) -> list[str]:
               "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
               "mlp_bias": False, "rope_scaling": None,
               "head_dim": ours["hidden_size"] // max(ours["num_attention_heads"] or 1, 1)}
-  for key, default in defaults.items():
-    value = theirs.get(key, default)
-    value = default if value is None and key == "head_dim" else value
-    same = (math.isclose(float(value), float(ours[key]), rel_tol=1e-9)
-            if key in ("rms_norm_eps", "rope_theta") else value == ours[key])
-    if not same:
-      out.append(f"config.json {key} {value!r} there, {ours[key]!r} here")
-  return out
+  return out + _differ_from_defaults(theirs, ours, defaults)
 
 
 # kind → (two paths under the model's root that say it is that kind, its twin, its config's

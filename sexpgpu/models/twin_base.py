@@ -46,6 +46,22 @@ def _differ(theirs: dict, ours: dict, keys) -> list[str]:
           if theirs.get(k) != ours[k]]
 
 
+def _differ_from_defaults(theirs: dict, ours: dict, defaults: dict) -> list[str]:
+  """Keys a config.json may leave out, each read with the twin's default when it does.
+
+  A `head_dim` of null is the default too; the norm's eps and rope's theta compare as floats.
+  """
+  out = []
+  for key, default in defaults.items():
+    value = theirs.get(key, default)
+    value = default if value is None and key == "head_dim" else value
+    same = (math.isclose(float(value), float(ours[key]), rel_tol=1e-9)
+            if key in ("rms_norm_eps", "rope_theta") else value == ours[key])
+    if not same:
+      out.append(f"config.json {key} {value!r} there, {ours[key]!r} here")
+  return out
+
+
 def _layers(params: dict, scope: str) -> int:
   stacked = [p for path, p in params.items() if path.startswith(scope)]
   return stacked[0].stack[0] if stacked and stacked[0].stack else 0

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 
-from sexpgpu.models.twin_base import Tensor, Twin, _differ, _layers, _literal, _scope_nodes, rotary
+from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _differ_from_defaults, _layers,
+                                      _literal, _scope_nodes, rotary)
 
 FIX = ("build the model with (mixtral tokens ...) from (require std/mixtral) or (mamba tokens "
        "...) from (require std/mamba), or export with --format safetensors, which keeps every "
@@ -93,14 +94,7 @@ def mixtral_config_problems(t: Twin, theirs: dict) -> list[str]:
               "rope_theta": 1e6, "hidden_act": "silu", "num_local_experts": 8,
               "num_experts_per_tok": 2, "sliding_window": None, "tie_word_embeddings": False,
               "head_dim": ours["hidden_size"] // max(ours["num_attention_heads"] or 1, 1)}
-  for key, default in defaults.items():
-    value = theirs.get(key, default)
-    value = default if value is None and key == "head_dim" else value
-    same = (math.isclose(float(value), float(ours[key]), rel_tol=1e-9)
-            if key in ("rms_norm_eps", "rope_theta") else value == ours[key])
-    if not same:
-      out.append(f"config.json {key} {value!r} there, {ours[key]!r} here")
-  return out
+  return out + _differ_from_defaults(theirs, ours, defaults)
 
 
 # --- Mamba ----------------------------------------------------------------------------------
