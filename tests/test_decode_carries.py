@@ -3,13 +3,12 @@ linear recurrence along positions keep their carry; logits equal the full forwar
 position and greedy tokens equal recomputing the window."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sexpgpu.ir.ops import LowerCtx
-from sexpgpu.models import decode, forward, sample, source
+from sexpgpu.models import decode, sample, source
 from sexpgpu.run.compile import compile_source
+from decoding import incremental_against_full
 
 HEAD = """(defloader train (markov :vocab 20 :seq 13 :batch 2 :seed 7))
 (defn loss [batch]
@@ -75,24 +74,9 @@ def test_the_plan_names_each_carry(model):
 
 def test_incremental_logits_equal_the_full_forward_at_every_position(model):
   name, c, params, _ = model
-  pl = decode.plan(source.logits_graph(c, "lm", W), W)
-  toks = np.random.RandomState(0).randint(0, 20, (1, W)).astype(np.int32)
-  full = np.asarray(forward.forward(c, "lm", W)(params, toks))
-  ctx = LowerCtx("f32")
-  n0 = 3
-  buf = np.zeros((1, 8), np.int32)  # the prompt padded past its end, as sample pads it
-  buf[0, :n0] = toks[0, :n0]
-  empty = decode.empty_cache(pl, params, ctx)
-  logits, cache = jax.jit(lambda p, t, c: decode.run(pl, p, t, ctx, c, jnp.int32(0), n0))(
-      params, buf, empty)
-  got = [np.asarray(logits)[0, i] for i in range(n0)]
-  step = jax.jit(lambda p, t, cache, o: decode.run(pl, p, t, ctx, cache, o))
-  for i in range(n0, W):
-    logits, cache = step(params, toks[:, i:i + 1], cache, jnp.int32(i))
-    got.append(np.asarray(logits)[0, 0])
-  assert np.abs(np.stack(got) - full[0]).max() < 1e-5, name
+  diff, sizes = incremental_against_full(c, "lm", params, W, vocab=20, seed=0)
+  assert diff < 1e-5, name
   # the state kept does not grow with positions
-  sizes = {a.shape for a in jax.tree_util.tree_leaves(cache)}
   assert all(W not in s for s in sizes), (name, sizes)
 
 

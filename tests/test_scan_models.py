@@ -7,7 +7,6 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,8 +17,9 @@ from sexpgpu.ir.ops import DTYPES, LowerCtx
 from sexpgpu.lower.flops import forward_flops, train_flops
 from sexpgpu.lower.init import init_params
 from sexpgpu.lower.interp import run_graph
-from sexpgpu.models import decode, forward, sample, source
+from sexpgpu.models import decode, sample, source
 from sexpgpu.run.compile import compile_file, compile_source
+from decoding import incremental_against_full
 from test_decode_carries import HEAD
 
 GRU = os.path.join(ROOT, "tests", "data", "gru-lm.sx")
@@ -105,24 +105,9 @@ def test_the_plan_names_the_carry(model):
 
 def test_incremental_logits_equal_the_full_forward_at_every_position(model):
   name, c, fn, params = model
-  pl = decode.plan(source.logits_graph(c, fn, W), W)
-  toks = np.random.RandomState(1).randint(0, 16, (1, W)).astype(np.int32)
-  full = np.asarray(forward.forward(c, fn, W)(params, toks))
-  ctx = LowerCtx("f32")
-  n0 = 3
-  buf = np.zeros((1, 8), np.int32)  # the prompt padded past its end, as sample pads it
-  buf[0, :n0] = toks[0, :n0]
-  empty = decode.empty_cache(pl, params, ctx)
-  logits, cache = jax.jit(lambda p, t, c: decode.run(pl, p, t, ctx, c, jnp.int32(0), n0))(
-      params, buf, empty)
-  got = [np.asarray(logits)[0, i] for i in range(n0)]
-  step = jax.jit(lambda p, t, cache, o: decode.run(pl, p, t, ctx, cache, o))
-  for i in range(n0, W):
-    logits, cache = step(params, toks[:, i:i + 1], cache, jnp.int32(i))
-    got.append(np.asarray(logits)[0, 0])
-  assert np.abs(np.stack(got) - full[0]).max() < 1e-5, name
-  sizes = {a.shape for a in jax.tree_util.tree_leaves(cache)}  # one position's state
-  assert all(W not in s for s in sizes), (name, sizes)
+  diff, sizes = incremental_against_full(c, fn, params, W, vocab=16, seed=1)
+  assert diff < 1e-5, name
+  assert all(W not in s for s in sizes), (name, sizes)  # one position's state
 
 
 def test_greedy_tokens_equal_recomputing_the_window(model):
