@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from sexpgpu.errors import SxError
 from sexpgpu.front.build import Builder, Call, describe, is_number, is_tensor, static_shape
+from sexpgpu.front.options import check_options
 from sexpgpu.ir.graph import Init
 from sexpgpu.front import declared
 from sexpgpu.ir.ops import DTYPES, OPS
@@ -506,68 +507,6 @@ SCHEDULES = {
 }
 
 
-_INT32_MAX = 2**31 - 1
-_F32_MAX = 3.4028234663852886e38
-# What each optimizer or schedule keyword accepts: (integer?, lowest, highest, whether the
-# lowest and the highest are excluded, an example), checked where it is read so that no
-# value out of range reaches optax.
-_OPTION_RANGES: dict[str, tuple[bool, float, float, bool, bool, str]] = {
-    "lr": (False, 0, _F32_MAX, False, False, "1e-3"),
-    "peak": (False, 0, _F32_MAX, False, False, "1e-3"),
-    "floor": (False, 0, _F32_MAX, False, False, "0.1"),
-    "weight-decay": (False, 0, _F32_MAX, False, False, "0.1"),
-    "eps": (False, 0, _F32_MAX, False, False, "1e-8"),
-    "clip": (False, 0, _F32_MAX, True, False, "1.0"),
-    "b1": (False, 0, 1, False, True, "0.9"),  # 1 would divide by zero in the bias correction
-    "b2": (False, 0, 1, False, True, "0.95"),
-    "momentum": (False, 0, 1, False, False, "0.9"),
-    "decay-rate": (False, 0, 1, False, False, "0.8"),
-    "warmup": (True, 0, _INT32_MAX, False, False, "100"),
-    "steps": (True, 1, _INT32_MAX, False, False, "2000"),
-    "min-dim-size-to-factor": (True, 1, _INT32_MAX, False, False, "128"),
-}
-
-
-def _range_text(integer: bool, lo, hi, lo_open: bool, hi_open: bool) -> str:
-  kind = "an integer" if integer else "a number"
-  top = "3.4e38 (float32's largest)" if hi == _F32_MAX else str(hi)
-  if lo_open or hi_open:
-    return (f"{kind} {'above' if lo_open else 'at least'} {lo} and "
-            f"{'below' if hi_open else 'at most'} {top}")
-  return f"{kind} from {lo} to {top}"
-
-
-def _shown(v: Any) -> str:
-  """A value for a message: a number of hundreds of digits is not printed whole."""
-  if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
-    return f"an integer of {len(str(abs(v))) if abs(v) < 10**4000 else 'over 4000'} digits"
-  return describe(v)
-
-
-def _check_options(call: Call, kw: dict) -> None:
-  """Raises E-RUN-002 at the value of an optimizer or schedule keyword out of its range."""
-  for key, v in kw.items():
-    loc = call.kw_forms[key].loc
-    if key == "nesterov":
-      if not isinstance(v, bool):
-        raise SxError("E-RUN-002", f"{call.name} :nesterov is {describe(v)}; it is true or "
-                      "false", location=loc, fix=":nesterov true")
-      continue
-    if key == "lr" and isinstance(v, Spec) and v.kind == "schedule":
-      continue
-    value = v.value if key == "lr" and isinstance(v, Init) and v.kind == "constant" else v
-    integer, lo, hi, lo_open, hi_open, example = _OPTION_RANGES[key]
-    ok = (is_number(value) and math.isfinite(value)
-          and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-          and (not integer or float(value).is_integer()))
-    if not ok:
-      raise SxError("E-RUN-002", f"{call.name} :{key} is {_shown(value)}; it must be "
-                    + _range_text(integer, lo, hi, lo_open, hi_open), location=loc,
-                    fix=f":{key} {example}")
-    if integer:
-      kw[key] = int(value)
-
-
 def _optimizer(name: str, allowed: tuple[str, ...]):
   def fn(b, call):
     kw = _kw(call, allowed)
@@ -577,7 +516,7 @@ def _optimizer(name: str, allowed: tuple[str, ...]):
     if "lr" not in kw:
       raise SxError("E-FORM-001", f"{name} needs :lr", location=call.loc, fix=f"({name} :lr 1e-3)")
     kw = dict(kw)
-    _check_options(call, kw)
+    check_options(call, kw)
     return Spec("optimizer", name, tuple(sorted(kw.items())), call.loc)
   return fn
 
@@ -589,7 +528,7 @@ def _schedule(name: str, allowed: tuple[str, ...]):
       raise SxError("E-FORM-001", f"schedule {name} takes keyword arguments, :peak at least",
                     location=call.loc, fix=f"({name} :peak 1e-3 :warmup 100)")
     kw = dict(kw)
-    _check_options(call, kw)
+    check_options(call, kw)
     return Spec("schedule", name, tuple(sorted(kw.items())), call.loc)
   return fn
 
