@@ -184,6 +184,17 @@ def test_a_stacking_degree_that_does_not_divide_is_e_env_001_before_any_compile(
           "SEXPGPU_STACKING=2, SEXPGPU_STACKING=1\n") in err
 
 
+def test_check_refuses_the_stacking_degree_that_run_refuses(capsys, monkeypatch, tmp_path):
+  monkeypatch.setenv("SEXPGPU_STACKING", "3")
+  for argv in (("check",), ("check", "--print", "plan")):
+    code, out, err = _cli(capsys, *argv, os.path.join(CONFIGS, "tiny-lm.sx"))
+    assert code == 1, argv
+    assert "error[E-ENV-001]: SEXPGPU_STACKING=3 does not divide the 2 microbatches" in err
+  monkeypatch.setenv("SEXPGPU_STACKING", "2")
+  code, out, err = _cli(capsys, "check", os.path.join(CONFIGS, "tiny-lm.sx"))
+  assert code == 0, err
+
+
 def test_check_fixed_names_every_divisor():
   from sexpgpu.run.plan import check_fixed
   check_fixed(3, 6)

@@ -23,6 +23,7 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
     from sexpgpu.run.cuda_check import check_target
     check_target(target or "cuda", gpu)
   c = compile_file(path, variant, sets, overrides, diagnostics)
+  _stacking_divides(c)
   if (target is not None or gpu is not None) and what in (None, "hlo", "plan"):
     from sexpgpu.run.cuda_check import cuda_text
     return cuda_text(c, gpu, what)
@@ -67,6 +68,19 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
   return "\n".join(lines) + "\n"
 
 
+def _stacking_divides(c) -> None:
+  """Refuses SEXPGPU_STACKING that does not divide the microbatches each rank runs, as `run`
+  refuses it, so `check` does not pass a file and its variables that `run` stops on."""
+  from sexpgpu.run.env import stacking_from_env
+  from sexpgpu.run.plan import check_fixed
+  fixed = stacking_from_env()
+  if fixed is not None:
+    ranks = len(env.parse_device_list(env.get("SEXPGPU_DEVICES")) or [0])
+    k = int(c.exp.run["microbatches"])
+    if k % ranks == 0:  # else E-DP-003 is the mistake, said where the devices open
+      check_fixed(fixed, k // ranks)
+
+
 def lowered_text(c, what: str, device_kind: str) -> str:
   """The loss as a jaxpr, the train step's HLO, or the memory plan and cost analysis.
 
@@ -79,6 +93,7 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   from sexpgpu.run import plan
   from sexpgpu.run.compile import cache_dir
   from sexpgpu.run.devices import microbatches_divide, open_devices, parse_device_list
+  from sexpgpu.run.env import stacking_from_env
   from sexpgpu.run.training import build
   run = c.exp.run
   k = int(run["microbatches"])
@@ -97,7 +112,8 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   batches = training.abstract_batches(c.stages[0].data, (k,))
   if what == "hlo":
     return training.step(0, k // place.ranks).lowered(state, batches).as_text() + "\n"
-  choice = plan.choose(training, 0, None, state, batches, place.first, False, cache_dir())
+  choice = plan.choose(training, 0, stacking_from_env(), state, batches, place.first, False,
+                       cache_dir())
   ranks = f" x{place.ranks}" if place.ranks > 1 else ""
   lines = [f"plan: {c.slug} on {place.first.platform}{ranks}",
            f"  memory      {choice.plan.text()} (peak in {choice.plan.peak_at})"]
