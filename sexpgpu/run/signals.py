@@ -191,6 +191,13 @@ def loop_started() -> None:
   FLAG.raising = False
 
 
+def handed_over() -> None:
+  """A command that handles the stop signals itself (`sweep` forwards them to its points and
+  then prints its table) takes them from here: start-up's handler no longer raises, and the
+  watchdog no longer ends the process."""
+  FLAG.raising = False
+
+
 # --- the watchdog: a stop while the main thread is inside a long native call -------------------
 
 # Seconds a stop signal may wait for start-up's own handler before the watchdog ends the run.

@@ -32,6 +32,7 @@ from sexpgpu.env import get as env_get
 from sexpgpu.env import parse_device_list
 from sexpgpu.errors import SxError
 from sexpgpu.run.signals import SIGNALS as STOP_SIGNALS
+from sexpgpu.run.signals import handed_over
 
 SIGNALS = tuple(STOP_SIGNALS)  # the run's stop signals, forwarded to the points
 
@@ -295,6 +296,7 @@ class _Stop:
   def __enter__(self):
     for s in SIGNALS:
       self._old[s] = signal.signal(s, self._handle)
+    handed_over()  # the CLI's start-up stop (and its watchdog) would end the sweep untabled
     return self
 
   def _handle(self, signum, frame) -> None:
