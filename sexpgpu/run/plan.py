@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from typing import Any, Mapping
 
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 from sexpgpu import env
 from sexpgpu.devices import memory as mem
 from sexpgpu.errors import SxError
+from sexpgpu.paths import write_atomic
 
 # The cost model's version, kept with every remembered rate and choice: a choice an
 # older model made is made again. 2: a call's fixed cost counts its argument and
@@ -248,12 +248,7 @@ def measure_rates(device, size: int | None = None) -> dict[str, float]:
 
 
 def _write_json(path: str, data: dict) -> None:
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    json.dump(data, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
+  write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _read_json(path: str) -> dict:
