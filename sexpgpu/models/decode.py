@@ -223,6 +223,12 @@ def _carry(kind, n, args, attrs, ctx, cache, out_cache, valid):
     out = rule(ctx, xx, w, **{**attrs, "padding": "valid"})
     out_cache[n.uid] = jax.lax.dynamic_slice_in_dim(xx, valid, k, axis=1)
     return out
+  if kind == "recurrence" and prev is not None and args[0].shape[p_axis] == 1:
+    a, x = args  # one position a step: H = A · H_before + X, without a scan of one
+    dt = jnp.result_type(a, x)
+    out = a.astype(dt) * prev.astype(dt) + x.astype(dt)
+    out_cache[n.uid] = out
+    return out
   out = rule(ctx, *args, **attrs)
   if kind == "recurrence":  # H_t = (Π A up to t) · H_before + the recurrence from 0
     a, x = args
