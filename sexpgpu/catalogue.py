@@ -151,6 +151,21 @@ _ENTRIES = (
     Entry("E-SAMPLE-001",
           "`sample` cannot tell which function maps tokens to logits (the candidates listed)",
           "pass --fn NAME, a function of the tokens that returns logits [b t vocab]"),
+    # downstream evaluation (57-research-loop.md)
+    Entry("E-EVAL-001",
+          "a task file that cannot be read or does not parse (the file and line), or holds "
+          "no document",
+          'one JSON object a line: {"context": ..., "choices": [...], "gold": i} or '
+          '{"text": ...}'),
+    Entry("E-EVAL-002",
+          "an evaluation without a tokenizer it can use (none known, or no end-of-document "
+          "token), or packing asked of a model without :segments and :positions",
+          "give defeval :tokenizer FILE (a tokenizer.json), or train on a text loader's "
+          "token cache"),
+    Entry("E-EVAL-003",
+          "a task the model cannot score: no document fits its window, or the tokenizer "
+          "writes ids past its vocabulary",
+          "shorten the documents, or evaluate with the tokenizer the model was trained with"),
     Entry("E-EXPORT-001",
           "a model with parameters that have no place in the chosen format's twin (naming them)",
           "build the model from std/gpt2, std/llama, std/mixtral or std/mamba, or export with "

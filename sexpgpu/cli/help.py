@@ -45,6 +45,8 @@ SUMMARIES = {
                "HF model folder"),
     "import": ("HF_DIR -o CKPT_DIR FILE.sx", "a step-0 checkpoint of FILE.sx from an HF model"),
     "sample": ("FILE.sx --resume DIR --prompt TEXT", "generate tokens from a checkpoint"),
+    "eval": ("FILE.sx --resume DIR [--tasks T.jsonl,...]", "a checkpoint's downstream scores "
+             "(its defevals, or task files)"),
 }
 
 

@@ -1,8 +1,9 @@
-"""`sexpgpu export | import | sample`: flags and output; the work is in sexpgpu.models."""
+"""`sexpgpu export | import | sample | eval`: flags and output; the work is in sexpgpu.models."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import flags
@@ -160,4 +161,65 @@ def cmd_sample(argv: list[str]) -> int:
   return 0
 
 
-COMMANDS = {"export": cmd_export, "import": cmd_import, "sample": cmd_sample}
+def cmd_eval(argv: list[str]) -> int:
+  """`sexpgpu eval FILE.sx --resume DIR [--tasks A.jsonl,B.jsonl] [--json]`."""
+  from sexpgpu.models import evaluate, sample, source
+  from sexpgpu.run.evaluating import Evaluators
+  fv = flags.FlagValues()
+  _checkpoint_flags(fv)
+  flags.DEFINE_list("tasks", None, "task files (.jsonl) to score instead of the experiment's "
+                    "defevals", flag_values=fv)
+  flags.DEFINE_string("fn", None, "with --tasks: the function of the tokens that returns "
+                      "logits (default: the defeval's, else the only candidate)", flag_values=fv)
+  flags.DEFINE_string("tokenizer", None, "with --tasks: a tokenizer.json (default: the "
+                      "defeval's, else the text loader's cache's)", flag_values=fv)
+  flags.DEFINE_integer("batch", 8, "with --tasks: rows a call", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("limit", None, "with --tasks: the first documents of each task",
+                       lower_bound=1, flag_values=fv)
+  flags.DEFINE_bool("json", False, "print the scores as one JSON object", flag_values=fv)
+  usage = "sexpgpu eval my-run.sx --resume runs/my-run/100 [--tasks data/choice.jsonl]"
+  path = _one(_parse(fv, argv, "eval"), "eval", usage)
+  c, params, meta = _restored(path, fv, "eval")
+  jobs = []  # (eval name, scorer, task)
+  if fv.tasks:
+    decls = list(c.exp.evals.values())
+    fn = fv.fn or (decls[0].fn if len({d.fn for d in decls}) == 1 else source.default_fn(c))
+    tok = sample.tokenizer_of(c, fv.tokenizer or (decls[0].tokenizer if len(decls) == 1
+                                                  else None))
+    if tok is None:
+      raise SxError("E-EVAL-002", "sexpgpu eval has no tokenizer: the experiment reads no "
+                    "text loader's token cache", where="--tokenizer",
+                    fix="pass --tokenizer FILE (a tokenizer.json)")
+    scorer = evaluate.Scorer(c, fn, tok, batch=fv.batch)
+    for t in fv.tasks:
+      if not os.path.isfile(t):
+        raise SxError("E-EVAL-001", f"no task file {t}", where="--tasks",
+                      fix="give .jsonl task files, separated by commas")
+      jobs.append(("eval", scorer, evaluate.load_task(t, fv.limit)))
+  else:
+    if not c.exp.evals:
+      raise SxError("E-FORM-001", f"{path} has no defeval, and no --tasks were given",
+                    where="--tasks", fix=usage)
+    jobs = [(e.decl.name, e.scorer, t) for e in Evaluators(c).items for t in e.tasks]
+  scores, rows = {}, []
+  for name, scorer, task in jobs:
+    res = scorer.score(params, task)
+    got = {f"{name}/{task.name}/{k}": v for k, v in res.metrics.items()}
+    scores.update(got)
+    rows.append({"eval": name, "task": task.name, "kind": task.kind, "metrics": got,
+                 "documents": len(res.docs), "skipped_lines": res.skipped,
+                 "requests": res.requests, "rows": res.rows, "packed": scorer.packed})
+  if fv.json:
+    output.write(sys.stdout, json.dumps({"step": meta.get("step"), "metrics": scores,
+                                         "tasks": rows}, separators=(",", ":")) + "\n")
+  else:
+    width = max(map(len, scores))
+    output.write(sys.stdout, "".join(f"{k:<{width}}  {v:.6f}\n" for k, v in scores.items()))
+  for r in rows:
+    if r["skipped_lines"]:
+      sys.stderr.write(f"eval: {r['task']}: {len(r['skipped_lines'])} documents longer than "
+                       f"the window skipped (lines {', '.join(map(str, r['skipped_lines']))})\n")
+  return 0
+
+
+COMMANDS = {"export": cmd_export, "import": cmd_import, "sample": cmd_sample, "eval": cmd_eval}

@@ -93,6 +93,8 @@ class TextLoader(base.Loader):
     stream = positive_int(spec, args, "stream", minimum=0)
     own_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
     self.manifest, files = _open_cache(spec, self.uri, ctx.cache_dir)
+    # the cache's local folder (its tokenizer.json beside the shards), None when remote
+    self.folder = None if remote.is_remote(self.uri) else _local(spec, self.uri)
     self.eos = int(self.manifest["tokenizer"]["eos_id"])
     self.vocab = int(self.manifest["tokenizer"]["vocab"])
     if args["vocab"] and positive_int(spec, args, "vocab") < self.vocab:
@@ -286,6 +288,11 @@ def _first_fit(lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.
   return ptr, starts, lens
 
 
+def _local(spec: LoaderSpec, uri: str) -> str:
+  """A local cache's folder: relative paths are the .sx file's."""
+  return uri if os.path.isabs(uri) else os.path.join(spec.base_dir, uri)
+
+
 def _open_cache(spec: LoaderSpec, uri: str, cache_dir: str | None):
   """The manifest and the local path of each file of a cache (remote ones fetched)."""
   if remote.is_remote(uri):
@@ -298,7 +305,7 @@ def _open_cache(spec: LoaderSpec, uri: str, cache_dir: str | None):
       for ext in (".idx", ".bin"):
         files[entry["shard"] + ext] = remote.fetch(spec, f"{root}/{entry['shard']}{ext}", folder)
     return manifest, files
-  local = uri if os.path.isabs(uri) else os.path.join(spec.base_dir, uri)
+  local = _local(spec, uri)
   if not os.path.isdir(local):
     raise load_error("E-LOAD-001", spec, local, "no such token cache folder",
                      f"build it with `sexpgpu tokenize TEXT... -o {os.path.relpath(local)} "

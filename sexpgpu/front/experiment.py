@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 from sexpgpu.data import KINDS as LOADER_CLASSES, keywords as loader_keywords, takes_file
@@ -64,6 +65,20 @@ class SampleDecl:
 
 
 @dataclasses.dataclass
+class EvalDecl:
+  """A `defeval`: downstream tasks scored by log-likelihood during training."""
+
+  name: str
+  fn: str  # the function of tokens [b t] that returns logits [b t vocab]
+  tasks: tuple[tuple[str, Loc], ...]  # .jsonl files (resolved against the .sx file's folder)
+  every: int
+  batch: int
+  limit: int | None  # the first documents of each task, else all
+  tokenizer: str | None  # a tokenizer.json, else the text loader's cache's
+  loc: Loc
+
+
+@dataclasses.dataclass
 class StageDecl:
   name: str
   data: str | None
@@ -101,6 +116,7 @@ class Experiment:
   loaders: dict[str, LoaderDecl]
   passes: dict[str, PassDecl]
   samples: dict[str, SampleDecl]
+  evals: dict[str, EvalDecl]
   curriculum: list[StageDecl]
   diagnostics: dict[str, DiagDecl]
   loss: Closure
@@ -134,6 +150,7 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
   loaders: dict[str, LoaderDecl] = {}
   passes: dict[str, PassDecl] = {}
   samples: dict[str, SampleDecl] = {}
+  evals: dict[str, EvalDecl] = {}
   diags: dict[str, DiagDecl] = {}
   curriculum: list[StageDecl] = []
   genv = env.vars
@@ -172,6 +189,8 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
       passes[name] = _pass(b, form, env, loaders)
     elif head == "defsample":
       samples[name] = _sample(b, form, env)
+    elif head == "defeval":
+      evals[name] = _eval(b, form, env, program.base_dir)
     elif head == "defdiagnostic":
       diags[name] = _diagnostic(b, form, env)
   loss, data, optimizer, run, run_loc = _run(b, program, env, selection, loaders)
@@ -179,12 +198,17 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
     if st.data is not None and st.data not in loaders:
       raise SxError("E-NAME-001", f"stage {st.name}: no loader `{st.data}`", location=st.loc,
                     fix=did_you_mean(st.data, loaders) or "define it with defloader")
-  for name in samples:
-    if name in passes:
-      raise SxError("E-NAME-002", f"`{name}` names both a defpass and a defsample",
-                    location=samples[name].loc, fix="rename one of them")
-  return Experiment(program, selection, env, loaders, passes, samples, curriculum, diags, loss,
-                    data, optimizer, run, run_loc)
+  for kind, decls in (("defsample", samples), ("defeval", evals)):
+    for name in decls:
+      if name in passes:
+        raise SxError("E-NAME-002", f"`{name}` names both a defpass and a {kind}",
+                      location=decls[name].loc, fix="rename one of them")
+  for name in evals:
+    if name in samples:
+      raise SxError("E-NAME-002", f"`{name}` names both a defsample and a defeval",
+                    location=evals[name].loc, fix="rename one of them")
+  return Experiment(program, selection, env, loaders, passes, samples, evals, curriculum, diags,
+                    loss, data, optimizer, run, run_loc)
 
 
 def _defparam(b: Builder, form: List, env: Env) -> ParamRef:
@@ -341,6 +365,44 @@ def _sample(b: Builder, form: List, env: Env) -> SampleDecl:
   seed = _static_int(b, kws["seed"], env, ":seed", 0) if "seed" in kws else 0
   return SampleDecl(name, fn.name, tuple(prompts), tokens, every, temperature, top_k, top_p,
                     seed, form.loc)
+
+
+def _eval(b: Builder, form: List, env: Env, base_dir: str) -> EvalDecl:
+  name = str(form.items[1].value)
+  _, kws, _ = split_keywords(form, 2, ("fn", "tasks", "every", "batch", "limit", "tokenizer"),
+                             "defeval")
+  example = f'(defeval {name} :fn lm :tasks ["data/choice.jsonl"] :every 500)'
+  for req in ("fn", "tasks", "every"):
+    if req not in kws:
+      raise SxError("E-FORM-001", f"defeval {name} needs :{req}", location=form.loc,
+                    fix=example)
+  fn = b.eval(kws["fn"], env)
+  if not isinstance(fn, Closure) or fn.name is None:
+    raise SxError("E-TYPE-001", f"defeval {name} :fn `{kws['fn']}` is not a function",
+                  location=kws["fn"].loc, fix="name a defn of tokens [b t] that returns logits "
+                  "(with :segments and :positions keywords its requests are packed)")
+  tasks_form = kws["tasks"]
+  paths = _static(b, tasks_form, env, ":tasks")
+  if (not isinstance(paths, tuple) or not paths
+      or not all(isinstance(p, str) and p.strip() for p in paths)):
+    raise SxError("E-TYPE-001", f"defeval {name} :tasks must be a vector of .jsonl paths; "
+                  f"found {describe(paths)}", location=tasks_form.loc,
+                  fix=':tasks ["data/choice.jsonl" "data/cloze.jsonl"]')
+  items = tasks_form.items if isinstance(tasks_form, Vector) else [tasks_form] * len(paths)
+  tasks = tuple((os.path.join(base_dir, p), getattr(f, "loc", tasks_form.loc))
+                for p, f in zip(paths, items))
+  every = _static_int(b, kws["every"], env, ":every", 1)
+  batch = _static_int(b, kws["batch"], env, ":batch", 1) if "batch" in kws else 8
+  limit = _static_int(b, kws["limit"], env, ":limit", 1) if "limit" in kws else None
+  tokenizer = None
+  if "tokenizer" in kws:
+    tokenizer = _static(b, kws["tokenizer"], env, ":tokenizer")
+    if not isinstance(tokenizer, str) or not tokenizer:
+      raise SxError("E-TYPE-001", f"defeval {name} :tokenizer must be a path; found "
+                    f"{describe(tokenizer)}", location=kws["tokenizer"].loc,
+                    fix=':tokenizer "cache/tokenizer.json"')
+    tokenizer = os.path.join(base_dir, tokenizer)
+  return EvalDecl(name, fn.name, tasks, every, batch, limit, tokenizer, form.loc)
 
 
 def _static_number(b: Builder, form: Form | None, env: Env, what: str, default: float,

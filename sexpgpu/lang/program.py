@@ -14,7 +14,7 @@ from sexpgpu.reader.forms import head_symbol
 STD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "std")
 
 TOP_FORMS = ("require", "defknob", "defvariant", "def", "defn", "defparam", "defloader",
-             "defpass", "defsample", "defcurriculum", "defdiagnostic", "defrun")
+             "defpass", "defsample", "defeval", "defcurriculum", "defdiagnostic", "defrun")
 
 
 @dataclasses.dataclass
@@ -165,7 +165,7 @@ def _collect(path: str, base_dir: str, forms: list[Form], loader: _Loader) -> Pr
     head = head_symbol(form)
     name_form = form.items[1] if len(form.items) > 1 else None
     if head in ("defknob", "defvariant", "def", "defn", "defparam", "defloader", "defpass",
-                "defsample", "defdiagnostic"):
+                "defsample", "defeval", "defdiagnostic"):
       if not (isinstance(name_form, Atom) and isinstance(name_form.value, Symbol)):
         raise form_error(form, f"{head} needs a name", f"({head} NAME ...)")
       name = str(name_form.value)

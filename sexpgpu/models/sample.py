@@ -234,9 +234,9 @@ def generate(c, fn: str, params: dict, prompt: list[int], s: Settings,
 def tokenizer_path(c) -> str | None:
   """The tokenizer.json of a text loader's local token cache, or None."""
   for ld in c.loaders.values():
-    uri = getattr(ld, "uri", None)
-    if isinstance(uri, str) and os.path.isfile(os.path.join(uri, "tokenizer.json")):
-      return os.path.join(uri, "tokenizer.json")
+    folder = getattr(ld, "folder", None)  # relative paths resolved against the .sx file
+    if isinstance(folder, str) and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+      return os.path.join(folder, "tokenizer.json")
   return None
 
 

@@ -105,9 +105,18 @@ def read_twin_folder(folder: str, where: str) -> tuple[dict[str, np.ndarray], di
 
 # --- a function from tokens to logits ------------------------------------------------------
 
-def logits_graph(c, fn: str, t: int, batch: int = 1):
+def takes_segments(c, fn: str) -> bool:
+  """Whether the function `fn` takes the keywords :segments and :positions (packed rows)."""
+  if not _is_function(c.exp, fn):
+    return False
+  names = {k for k, _ in c.exp.env.lookup(fn).kwparams}
+  return {"segments", "positions"} <= names
+
+
+def logits_graph(c, fn: str, t: int, batch: int = 1, packed: bool = False):
   """The graph of `(FN tokens)` for int32 tokens [batch t], built as the loss builds it, so
   that FN's parameters have the loss's paths (`lm/...`); rewritten (attention → sdpa).
+  `packed`: `(FN tokens :segments S :positions P)` with S and P int32 [batch t] inputs too.
 
   Raises:
     SxError: E-SAMPLE-001 when FN is not a function of the experiment or does not map
@@ -122,10 +131,12 @@ def logits_graph(c, fn: str, t: int, batch: int = 1):
                   where=f"--fn {fn}", fix=_candidates_fix(c))
   b = exp.builder()
   b.params = dict(c.params)
-  (form,) = read_text(f"(fn [batch] ({fn} (get batch :tokens)))", "<sample>")
+  fields = ("tokens", "segments", "positions") if packed else ("tokens",)
+  extra = " :segments (get batch :segments) :positions (get batch :positions)" if packed else ""
+  (form,) = read_text(f"(fn [batch] ({fn} (get batch :tokens){extra}))", "<sample>")
   closure = b.eval(form, exp.env)
   try:
-    g, out = b.build(f"sample/{fn}", closure, {"tokens": ("i32", (batch, t))},
+    g, out = b.build(f"sample/{fn}", closure, {f: ("i32", (batch, t)) for f in fields},
                      allow_new_params=False)
   except SxError as e:
     raise SxError("E-SAMPLE-001", f"`({fn} tokens)` does not build on tokens [{batch} {t}]: "

@@ -63,6 +63,10 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
         f"{len(s.prompts)} prompts, {s.decoder.path} decoding"
         + (f" ({s.decoder.reason})" if s.decoder.reason else "")
         for s in Samplers(c).items]
+  if c.exp.evals:
+    from sexpgpu.run.evaluating import Evaluators
+    # read, tokenized and laid out as run does: a bad task file fails here too
+    lines += ["", "evals:"] + Evaluators(c).describe()
   if len(c.stages) > 1:
     lines += ["", "curriculum:"] + [f"  {s.index} {s.name}: :data {s.data}" for s in c.stages]
   return "\n".join(lines) + "\n"

@@ -26,6 +26,7 @@ from sexpgpu.run.devices import CompileCounter
 from sexpgpu.run.feed import Feed
 from sexpgpu.run.passes import Passes
 from sexpgpu.run.progress import Progress, Summary
+from sexpgpu.run.evaluating import Evaluators
 from sexpgpu.run.sampling import Samplers
 from sexpgpu.run.saving import Saver
 # The name tests and benchmarks import from here: whether a CPU run keeps host memory.
@@ -90,6 +91,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   saver = Saver(store, c, training, progress, metrics, rdv)
   with saver, signals.deferred() as sig, setup.retries_noted(metrics):
     samplers = Samplers(c)  # a defsample's prompts checked before anything is initialized
+    evaluators = Evaluators(c)  # and a defeval's tasks read, tokenized and laid out
     # --- plan: every step compiled for abstract values; nothing initialized before it fits
     choice = _plan(c, o, training, resume_dir, store is not None, progress, metrics, log)
 
@@ -99,7 +101,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
     else:  # cold, or warm from :init-from
       state, start = start_state(c, training, progress.stage, log), 0
     feed = Feed(c, place, training.k, progress.steps, ahead=o.pipeline)
-    passes = Passes(c, training, samplers, metrics, progress, log,
+    passes = Passes(c, training, samplers, evaluators, metrics, progress, log,
                     resumed_at=start if resume_dir is not None else None)
     profile = setup.open_profile(c, o)
     runner = Steps(c, training, progress, metrics, feed, profile, rdv, sig, log)

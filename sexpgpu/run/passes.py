@@ -1,5 +1,5 @@
-"""The run's passes: evaluation passes with their progress lines, defsample passes, and the
-curriculum stage that the passes' numbers decide."""
+"""The run's passes: evaluation passes with their progress lines, defeval and defsample
+passes, and the curriculum stage that the passes' numbers decide."""
 
 from __future__ import annotations
 
@@ -24,18 +24,21 @@ def due(p, step: int, c) -> bool:
 class Passes:
   """Runs the passes due at a step, and moves the curriculum on when its condition holds."""
 
-  def __init__(self, c, training, samplers, metrics, progress, log, resumed_at: int | None):
+  def __init__(self, c, training, samplers, evaluators, metrics, progress, log,
+               resumed_at: int | None):
     """Args: c: the Compiled experiment; training: its Training; samplers: its Samplers;
-    metrics, progress, log: where the numbers go; resumed_at: the step a resume starts
-    at (its passes ran before the checkpoint), else None."""
+    evaluators: its Evaluators (defeval); metrics, progress, log: where the numbers go;
+    resumed_at: the step a resume starts at (its passes ran before the checkpoint), else
+    None."""
     self.c, self.training, self.samplers = c, training, samplers
+    self.evaluators = evaluators
     self.metrics, self.progress, self.log = metrics, progress, log
     self.resumed_at = resumed_at
 
   def due(self, step: int, at_end: bool) -> bool:
     """Whether any pass or sample runs after `step`."""
     return (at_end or any(due(p, step, self.c) for p in self.c.exp.passes.values())
-            or self.samplers.due(step, at_end))
+            or self.samplers.due(step, at_end) or self.evaluators.due(step, at_end))
 
   def first(self, state, step: int, lock, stop) -> None:
     """The passes due as the loop starts (step 0's evaluation), unless a stop came during
@@ -54,6 +57,8 @@ class Passes:
     with quiet(place.multiprocess and self.training.sharding != "replicate"):
       with lock:
         ran = self._evaluate(state, step, at_end)
+      self.evaluators.run(place, state["params"], step, at_end, self.resumed_at, self.metrics,
+                          self.progress, self.log)
       self.samplers.run(place, state["params"], step, self.progress.steps, at_end,
                         self.resumed_at, self.metrics, self.progress, self.log)
     return ran

@@ -35,6 +35,13 @@ TOP_FORMS = {
                   "continuations of the prompts while training, as `sample` events and a "
                   "progress line; F maps tokens [b t] to logits [b t vocab]; prompts are "
                   "text with a text loader's tokenizer, else token ids (\"3 1 4\")"),
+    "defeval": ('(defeval NAME :fn F :tasks ["T.jsonl" ...] :every N [:batch 8] [:limit K] '
+                "[:tokenizer FILE])",
+                "downstream tasks scored while training, as `eval` events, a progress line "
+                "and the summary's NAME/TASK/acc, acc_norm (multiple choice: {\"context\", "
+                "\"choices\", \"gold\"}) or bits_per_byte ({\"text\"}), as "
+                "lm-evaluation-harness scores them; requests packed into rows when F takes "
+                ":segments and :positions; `sexpgpu eval` scores a checkpoint"),
     "defcurriculum": ("(defcurriculum (stage NAME :data L :when STEP :set [(KNOB V) ...]) ...)",
                       "stages that change the data or knobs that keep every parameter's shape"),
     "defdiagnostic": ("(defdiagnostic NAME :of (KIND [ARG]) :every N :reduce R)",
@@ -66,6 +73,7 @@ FORM_KEYWORDS = {
     "defparam": ("init", "dtype"),
     "defpass": ("data", "every", "batches", "metrics"),
     "defsample": ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
+    "defeval": ("fn", "tasks", "every", "batch", "limit", "tokenizer"),
     "defdiagnostic": ("every", "of", "reduce"),
     "stage": ("data", "when", "set"),
     "defknob": ("choices", "min", "max"),
