@@ -121,7 +121,7 @@ def open_metrics(c, o, place, node: int, resume_text: str, log):
   run = c.exp.run
   metrics = open_targets(o.metrics if node == 0 else None, c.slug, where=o.metrics_where)
   log(output.config_line(o.file, c.slug, o.device, int(run["steps"]), int(run["microbatches"]),
-                         evals_field(c.exp.passes, run.get("eval-every")),
+                         evals_field({**c.exp.passes, **c.exp.evals}, run.get("eval-every")),
                          ",".join(c.diagnostics) or "-", run["precision"], run["seed"],
                          o.checkpoint_dir or "-", resume_text, o.status or "-",
                          ranks=place.ranks, nodes=place.nodes))
@@ -148,7 +148,7 @@ def retries_noted(metrics) -> Iterator[None]:
 
 
 def evals_field(passes: dict, every_override) -> str:
-  """The configuration line's `evals`: `eval@10,probe@end`, or `-`."""
+  """The configuration line's `evals`: each defpass and defeval, `eval@10,bench@500`, or `-`."""
   if not passes:
     return "-"
   out = []
