@@ -65,14 +65,27 @@ def _numeric_fields(event: dict) -> Scalars:
       yield name, v
 
 
-def _pass_scalars(event: dict) -> Scalars:
+def _metric_scalars(event: dict) -> Scalars:
+  """The numeric entries of the event's `metrics`, each by its own name."""
   for name, value in (event.get("metrics") or {}).items():
     v = number(value)
     if v is not None:
       yield name, v
+
+
+def _pass_scalars(event: dict) -> Scalars:
+  yield from _metric_scalars(event)
   seconds = number(event.get("time/pass"))
   if seconds is not None:
     yield f"time/pass/{event.get('pass', 'pass')}", seconds
+
+
+def _eval_scalars(event: dict) -> Scalars:
+  yield from _metric_scalars(event)
+  seconds = number(event.get("time/eval"))
+  if seconds is not None:
+    where = "/".join(str(event[k]) for k in ("eval", "task") if event.get(k) is not None)
+    yield f"time/eval/{where or 'eval'}", seconds
 
 
 def _diagnostic_scalars(event: dict) -> Scalars:
@@ -101,6 +114,7 @@ def _no_scalars(event: dict) -> Scalars:
 _SCALARS: dict[str, Callable[[dict], Scalars]] = {
     "step": _numeric_fields,
     "pass": _pass_scalars,
+    "eval": _eval_scalars,
     "diagnostic": _diagnostic_scalars,
     "stage": _stage_scalars,
     "checkpoint": _checkpoint_scalars,
@@ -115,7 +129,8 @@ def scalars(event: dict) -> list[tuple[str, float]]:
 
   Returns:
     Tags and values: step fields as named (dicts such as counters as
-    `counters/<name>`), pass metrics by name plus `time/pass/<pass>`,
+    `counters/<name>`), pass metrics by name plus `time/pass/<pass>`, eval
+    metrics by name (`<eval>/<task>/acc`) plus `time/eval/<eval>/<task>`,
     `diag/<name>`, `stage`, `checkpoint/bytes` and `checkpoint/seconds`.
   """
   return list(_SCALARS.get(event["kind"], _no_scalars)(event))
