@@ -318,10 +318,11 @@ def parse_device(value: str | None, where: str = "SEXPGPU_DEVICE") -> str:
   return device
 
 
-METRICS_SCHEMES = ("jsonl", "tensorboard", "mlflow")
+METRICS_SCHEMES = ("jsonl", "tensorboard", "mlflow", "wandb")
 # The schemes whose location is a local path (a URI there would make a folder `s3:`).
 LOCAL_SCHEMES = ("jsonl", "tensorboard")
-METRICS_FORMS = "jsonl:PATH, tensorboard:DIR or mlflow:URI, several joined by commas"
+METRICS_FORMS = ("jsonl:PATH, tensorboard:DIR, mlflow:URI or wandb:PROJECT[/RUN], several "
+                 "joined by commas")
 
 
 def parse_metrics(spec: str | None, where: str = "SEXPGPU_METRICS") -> list[tuple[str, str, str]]:

@@ -14,6 +14,7 @@ from sexpgpu.track.jsonl_target import JsonlTarget
 from sexpgpu.track.mlflow_target import MlflowTarget
 from sexpgpu.track.targets import Target, TargetError
 from sexpgpu.track.tensorboard_target import TensorBoardTarget
+from sexpgpu.track.wandb_target import WandbTarget
 
 CODE = "E-METRICS-001"
 # scheme → target class, each built as cls(spec, location, slug); env.METRICS_SCHEMES, which
@@ -22,6 +23,7 @@ SCHEMES: dict[str, Callable[[str, str, str], Target]] = {
     "jsonl": JsonlTarget,
     "tensorboard": TensorBoardTarget,
     "mlflow": MlflowTarget,
+    "wandb": WandbTarget,
 }
 
 
@@ -67,8 +69,8 @@ class Metrics:
     """Sends one event to every target.
 
     Args:
-      kind: the event kind (config, annotation, step, pass, stage,
-        diagnostic, checkpoint, summary).
+      kind: the event kind (config, annotation, step, pass, eval, sample,
+        stage, diagnostic, checkpoint, summary).
       **fields: the event's fields, `step` among them where one applies.
         Names with `/` (such as `train/loss`) pass through `**{...}`.
 
@@ -121,9 +123,10 @@ def open_metrics(spec: str | None, slug: str,
   """Parses a metrics spec and opens its targets.
 
   Args:
-    spec: `jsonl:PATH`, `tensorboard:DIR`, `mlflow:URI`, or several joined by
-      commas; None or "" for no target.
-    slug: the run slug (TensorBoard subdirectory, MLflow experiment name).
+    spec: `jsonl:PATH`, `tensorboard:DIR`, `mlflow:URI`, `wandb:PROJECT[/RUN]`, or
+      several joined by commas; None or "" for no target.
+    slug: the run slug (TensorBoard subdirectory, MLflow experiment name, W&B run name and
+      id).
     where: the flag or variable the spec came from, for errors.
 
   Returns:
@@ -131,7 +134,7 @@ def open_metrics(spec: str | None, slug: str,
 
   Raises:
     SxError: E-METRICS-001 for a spec that does not parse, a target that
-      cannot be opened or created, or MLflow not installed. Targets already
+      cannot be opened or created, or MLflow or wandb not installed. Targets already
       opened are closed first.
   """
   pieces = parse_metrics(spec, where)
