@@ -11,6 +11,7 @@ from typing import Any
 
 from sexpgpu.env import get as env_get
 from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.lower.layouts import is_mesh, parse_mesh
 from sexpgpu.lang.program import KnobDecl, Program, literal_value, split_keywords
 from sexpgpu.reader import Atom, Keyword, Symbol
 from sexpgpu.reader.read import INT_LIMIT, is_int_literal, parse_int, shown
@@ -111,6 +112,9 @@ def parse_as(text: str, like: Any, name: str, where: str) -> Any:
                     where=where, fix=f"give {name} a finite value, like {format_value(like)}")
     return value
   if isinstance(like, Symbol):
+    if name == "sharding" and is_mesh(text):  # a mesh, `fsdp:2,tensor:2` (47-layouts.md)
+      parse_mesh(text, where=where)
+      return Symbol(text)
     if re.fullmatch(r"[A-Za-z_+*/<>=!?.%-][A-Za-z0-9_+*/<>=!?.%-]*", text):
       return Symbol(text)
     raise bad()
@@ -121,6 +125,9 @@ def coerce(value: Any, like: Any, name: str, loc) -> Any:
   """Checks a variant's literal against the knob's type (int widens to float)."""
   if isinstance(like, float) and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
+  if name == "sharding" and isinstance(value, str) and is_mesh(value):  # written "tensor:4"
+    parse_mesh(value, loc=loc)
+    return Symbol(value)
   if type_name(value) != type_name(like):
     raise SxError("E-KNOB-002", f"knob {name} is {a_type(like)}; "
                   f"`{format_value(value)}` is {a_type(value)}", location=loc,
@@ -144,9 +151,11 @@ def _check_range(name: str, value: Any, choices, lo, hi, where=None, loc=None) -
       and not -INT32_LIMIT <= value < INT32_LIMIT):
     raise err(f"knob {name} = {value} does not fit in a 32-bit integer",
               f"sizes and counts reach the step as int32: keep {name} below {INT32_LIMIT}")
-  if choices is not None and value not in choices:
+  if choices is not None and value not in choices and not (name == "sharding"
+                                                            and is_mesh(value)):
     raise err(f"knob {name} = {format_value(value)} is not one of its choices",
-              "choose one of " + ", ".join(format_value(c) for c in choices))
+              "choose one of " + ", ".join(format_value(c) for c in choices)
+              + (", or a mesh like fsdp:2,tensor:2" if name == "sharding" else ""))
   def number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
   for bound, what in ((lo, ":min"), (hi, ":max")):

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sexpgpu.lower.attention import under_rank_vmap
+from sexpgpu.lower.layouts import DATA_AXES
 from sexpgpu.lower.step import TrainStep
 
 SHARDINGS = ("replicate", "fsdp", "hsdp")
@@ -85,12 +86,18 @@ class ShardedTrainStep(TrainStep):
 
   sharding: str = "fsdp"
   stacks: dict = dataclasses.field(default_factory=dict)
+  # a mesh of named axes (lower/layouts.py): each parameter path's PartitionSpec
+  layout: dict | None = None
 
   def __post_init__(self):
     super().__post_init__()
     if self.mesh is None or self.ranks == 1:
       raise ValueError("a sharded step needs a mesh of several devices")
-    self.over = shard_axes(self.mesh, self.sharding)
+    if self.layout is not None:  # the batch splits over the data axes, never `tensor`
+      self.over = tuple(a for a in ("fsdp",) if a in self.mesh.axis_names)
+      self.data_axes = tuple(a for a in DATA_AXES if a in self.mesh.axis_names)
+    else:
+      self.over = shard_axes(self.mesh, self.sharding)
     self.n = int(np.prod([self.mesh.shape[a] for a in self.over]))
     self.gpus = self.ranks // self.nodes
     # bf16 sums between nodes: each node's f32 sum plus its carried rounding error, sent
@@ -105,6 +112,8 @@ class ShardedTrainStep(TrainStep):
   # --- where each array lives ------------------------------------------------------------
   def param_spec(self, path: str, shape: tuple[int, ...]) -> P:
     """A parameter's PartitionSpec."""
+    if self.layout is not None:
+      return self.layout.get(path, P())
     return spec_for(shape, self.n, self.over, self.stacks.get(path, 0))
 
   def carry_spec(self, path: str, shape: tuple[int, ...]) -> P:
@@ -145,14 +154,21 @@ class ShardedTrainStep(TrainStep):
     return self._carry_shardings(params) if self.carried else self._param_shardings(params)
 
   def state_shardings(self, state: dict) -> dict:
-    """NamedShardings for a train state: parameters by their spec, optimizer leaves shaped
-    like a parameter as that parameter, everything else replicated."""
-    by_shape = {}
+    """NamedShardings for a train state: parameters by their spec, optimizer leaves under a
+    parameter's path and of its shape as that parameter (else as the first parameter of
+    their shape), everything else replicated."""
+    by_shape, shapes = {}, {}
     for path, p in state["params"].items():
+      shapes[path] = tuple(p.shape)
       by_shape.setdefault(tuple(p.shape), self.param_spec(path, tuple(p.shape)))
 
-    def leaf(x):
-      return NamedSharding(self.mesh, by_shape.get(tuple(x.shape), P()))
+    def leaf(keys, x):
+      shape = tuple(x.shape)
+      for k in keys:
+        path = getattr(k, "key", None)
+        if isinstance(path, str) and shapes.get(path) == shape:
+          return NamedSharding(self.mesh, self.param_spec(path, shape))
+      return NamedSharding(self.mesh, by_shape.get(shape, P()))
 
     out = {}
     for k, v in state.items():
@@ -163,7 +179,7 @@ class ShardedTrainStep(TrainStep):
         out[k] = {path: NamedSharding(self.mesh, self.carry_spec(path, tuple(x.shape[1:])))
                   for path, x in v.items()}
       else:
-        out[k] = jax.tree_util.tree_map(leaf, v)
+        out[k] = jax.tree_util.tree_map_with_path(leaf, v)
     return out
 
   def _param_shardings(self, params: dict) -> dict:
@@ -182,8 +198,12 @@ class ShardedTrainStep(TrainStep):
   def _by_rank(self, batches):
     """[K, ...] split by rank: [R, K/R, ...] (rank r's microbatches contiguous, as placed)."""
     per = self.microbatches // self.ranks
-    return jax.tree_util.tree_map(lambda x: x.reshape((self.ranks, per) + x.shape[1:]),
-                                  batches)
+    out = jax.tree_util.tree_map(lambda x: x.reshape((self.ranks, per) + x.shape[1:]), batches)
+    if self.layout is None:
+      return out
+    # a mesh: the ranks' axis over the data axes only; a tensor group computes together
+    data = NamedSharding(self.mesh, P(self.data_axes or None))
+    return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, data), out)
 
   def _ranks_grads(self, params, batches, step, offset):
     """Every rank's loss and gradient sums over its microbatches of `batches` ([R, S, ...]),

@@ -359,6 +359,15 @@ def shrink_hints(knobs: dict) -> list[str]:
   return hints
 
 
+def spec_lines(training, stage: int = 0) -> list[str]:
+  """`check --print plan`'s lines of each parameter's PartitionSpec (none when replicated):
+  `    lm/embed  (tensor, ·)`, one axis a place, `·` for an axis kept whole."""
+  from sexpgpu.lower.layouts import spec_text
+  specs = training.specs(stage)
+  w = max((len(p) for p in specs), default=0)
+  return [f"    {path:<{w}}  {spec_text(s)}" for path, s in specs.items()]
+
+
 def sharding_hint(training, plan: mem.Plan, state) -> list[str]:
   """`--set sharding=fsdp (about X a device)` when sharding the state would make it fit.
 

@@ -18,6 +18,7 @@ from sexpgpu.ir.shapes import np_dtype
 from sexpgpu.lower.init import init_params
 from sexpgpu.lower.optim import make_optimizer
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
+from sexpgpu.lower.layouts import check_devices, is_mesh, make_mesh, param_specs
 from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
 
 
@@ -49,6 +50,10 @@ class Training:
     self.ranks = self.place.ranks if self.place is not None else 1
     # Sharding only means something over several devices: on one it is `replicate`.
     self.sharding = str(run.get("sharding", "replicate")) if self.ranks > 1 else "replicate"
+    # a mesh of named axes (lower/layouts.py), checked against the devices here
+    self.mesh = None
+    if is_mesh(run.get("sharding", "")) and self.place is not None:
+      self.mesh = check_devices(str(run["sharding"]), self.place.ranks, self.place.nodes)
     self._steps: dict[tuple[int, int], TrainStep] = {}
 
   @property
@@ -74,7 +79,12 @@ class Training:
         self._steps[key] = TrainStep(*args)
       else:
         stacks = {path: len(p.stack) for path, p in self.c.params.items()}
-        self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks)
+        layout = None
+        if self.mesh is not None:  # each parameter's spec from the stage's graph
+          layout = param_specs(self.c.stages[stage].graph, self.c.params, self.mesh)
+          args = args[:9] + (make_mesh(place.devices, self.mesh),) + args[10:]
+        self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks,
+                                            layout=layout)
     return self._steps[key]
 
   def place_state(self, state: dict, stage: int = 0) -> dict:
@@ -112,7 +122,15 @@ class Training:
     """How many devices the state is split over: every rank (fsdp), a node's (hsdp)."""
     if self.sharding == "replicate":
       return 1
-    return self.step(stage, self.k // self.ranks).n
+    return self.ranks if self.mesh is not None else self.step(stage, self.k // self.ranks).n
+
+  def specs(self, stage: int = 0) -> dict:
+    """Each parameter's PartitionSpec on the run's mesh ({} when replicated)."""
+    if self.sharding == "replicate":
+      return {}
+    step = self.step(stage, self.k // self.ranks)
+    return {path: step.param_spec(path, tuple(p.full_shape))
+            for path, p in self.c.params.items()}
 
   def replicated(self, stage: int = 0) -> list[str]:
     """Parameters that stay whole on every device under fsdp/hsdp (no axis fits)."""

@@ -1,0 +1,359 @@
+"""Layouts past FSDP: a mesh of named axes, each op's split rule, and Megatron's pairs.
+
+`:sharding` takes a mesh, `fsdp:2,tensor:2` (axes data, fsdp, tensor, expert; their
+product is the device count). Each parameter's PartitionSpec comes from the graph:
+
+- SPLIT, a table filled by `register_split` like lower/flops.py's FLOPS: for every op,
+  how a split axis of its inputs maps to its output (an axis, SUM when the op sums over
+  it, None when the split cannot pass), or the reason it takes no split;
+- `find_pairs` walks the training graph with those rules: a matmul by a parameter
+  [in out] starts a split of its columns; through ops that keep it (pointwise, the
+  reshape to heads, sdpa over heads) it reaches a matmul by a parameter [in out] that
+  sums it, whose rows split (Megatron's pair), or a softmax over the vocabulary (an
+  untied head). An embedding table read by `take` splits on the vocabulary;
+- `param_specs`: those parameters split on `tensor`, and the `fsdp` axis splits the
+  largest remaining axis as `fsdp.spec_for` does; a stacked repeat's layer axes stay
+  whole. Everything else about the step is fsdp.py's: XLA's partitioner places the
+  collectives. Numbers do not depend on the pairs found (the partitioner is exact for
+  any placement); only the bytes a device holds and the collectives do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable
+
+from sexpgpu.errors import SxError
+from sexpgpu.ir.graph import Graph, Node, walk
+
+AXES = ("data", "fsdp", "tensor", "expert")
+# the axes the batch splits over (and `node`, outermost, over several nodes)
+DATA_AXES = ("node", "data", "fsdp", "expert")
+SUM = "sum"  # a rule's answer when the op sums over the split axis (a pair's end)
+_MESH = re.compile(r"[a-z]+:\d+(,[a-z]+:\d+)*")
+
+
+def is_mesh(text: str) -> bool:
+  """Whether `text` is written as a mesh (`tensor:4`, `fsdp:2,tensor:2`)."""
+  return bool(_MESH.fullmatch(str(text)))
+
+
+def parse_mesh(text: str, where: str | None = None, loc=None) -> tuple[tuple[str, int], ...]:
+  """The mesh's (axis, size) pairs in the order written.
+
+  Raises:
+    SxError: E-KNOB-003 naming an unknown or repeated axis, or a size below 1.
+  """
+  out: list[tuple[str, int]] = []
+  for part in str(text).split(","):
+    name, size = part.split(":")
+    if name not in AXES:
+      raise SxError("E-KNOB-003", f"`{name}` in :sharding {text} is not a mesh axis",
+                    where=where, location=loc,
+                    fix="write axes among " + ", ".join(AXES) + ", like fsdp:2,tensor:2")
+    if any(n == name for n, _ in out):
+      raise SxError("E-KNOB-003", f"axis `{name}` appears twice in :sharding {text}",
+                    where=where, location=loc, fix="write each axis once")
+    if int(size) < 1:
+      raise SxError("E-KNOB-003", f"axis `{name}` has size {size} in :sharding {text}",
+                    where=where, location=loc, fix="give each axis a size of 1 or more")
+    out.append((name, int(size)))
+  return tuple(out)
+
+
+def check_devices(text: str, devices: int, nodes: int = 1) -> tuple[tuple[str, int], ...]:
+  """The mesh of `text`, checked against the run's devices.
+
+  Raises:
+    SxError: E-KNOB-003 when its product is not the device count (naming the sizes that
+      are), or over several nodes (not built yet).
+  """
+  mesh = parse_mesh(text, where=f"--set sharding={text}")
+  product = math.prod(s for _, s in mesh)
+  if nodes > 1:
+    raise SxError("E-KNOB-003", f":sharding {text} is a mesh; over {nodes} nodes only "
+                  "fsdp and hsdp are built", where=f"--set sharding={text}",
+                  fix="use --set sharding=fsdp or hsdp over nodes, or a mesh on one node")
+  if product != devices:
+    raise SxError("E-KNOB-003", f"the mesh {text} has {product} devices; the run has "
+                  f"{devices}", where=f"--set sharding={text}",
+                  fix=f"write axes whose sizes multiply to {devices}, like "
+                  f"tensor:{devices} or fsdp:{devices}")
+  return mesh
+
+
+# --- the rules ---------------------------------------------------------------------------
+# op name → rule(node, axes) → the output's split axis, SUM or None, given each input's
+# split axis (None: not split, or not a tensor); or the reason the op takes no split.
+Rule = Callable[[Node, tuple], "int | str | None"]
+SPLIT: dict[str, Rule | str] = {}
+
+
+def register_split(rule: Rule | str, *ops: str) -> None:
+  """Registers `rule` (or a reason it has none) as the split rule of `ops`.
+
+  Raises:
+    ValueError: an op already has an entry.
+  """
+  for op in ops:
+    if op in SPLIT:
+      raise ValueError(f"op {op} has a split rule already")
+    SPLIT[op] = rule
+
+
+def _rank(x) -> int:
+  return len(x.shape) if isinstance(x, Node) else 0
+
+
+def _one(axes) -> tuple[int, int] | None:
+  """(input index, axis) of the one split input; None when inputs are split on several."""
+  split = [(i, a) for i, a in enumerate(axes) if a is not None]
+  return split[0] if len(split) == 1 else None
+
+
+def _pointwise(node: Node, axes) -> int | None:
+  """Every axis kept, inputs aligned from the right (broadcasting)."""
+  outs = {len(node.shape) - _rank(node.inputs[i]) + a for i, a in enumerate(axes)
+          if a is not None}
+  return outs.pop() if len(outs) == 1 else None
+
+
+def _reduce(node: Node, axes) -> int | str | None:
+  """Kept unless reduced over (then the op sums a split axis: SUM)."""
+  a = axes[0]
+  x = node.inputs[0]
+  over = node.attr("axes", node.attr("axis"))
+  over = tuple(range(len(x.shape))) if over is None else (
+      (over,) if isinstance(over, int) else tuple(over))
+  over = {o % len(x.shape) for o in over}
+  if a in over:
+    return SUM
+  return a if node.attr("keep", True) and len(node.shape) == len(x.shape) else \
+      a - sum(1 for o in over if o < a)
+
+
+def _along(node: Node, axes) -> int | None:
+  """Kept unless the op runs along the split axis (a sort, a cumulative sum, a slice)."""
+  a = axes[0]
+  axis = node.attr("axis")
+  return None if axis is not None and axis % len(node.inputs[0].shape) == a else a
+
+
+def _matmul(node: Node, axes) -> int | str | None:
+  a, b = node.inputs[:2]
+  sa, sb = axes[:2]
+  if sa is not None and sa == len(a.shape) - 1:
+    return SUM if sb in (None, len(b.shape) - 2) else None
+  if sb is not None:
+    return len(node.shape) - 1 if sb == len(b.shape) - 1 and sa is None else None
+  return len(node.shape) - len(a.shape) + sa
+
+
+def _reshape(node: Node, axes) -> int | None:
+  """The split moves to the output axis that starts where it starts and divides it (the
+  reshape of [.. width] to [.. heads dhead] moves it to heads)."""
+  shape, out = node.inputs[0].shape, node.shape
+  a = axes[0]
+  before = math.prod(shape[:a])
+  for j in range(len(out)):
+    if math.prod(out[:j]) == before and out[j] > 1 and shape[a] % out[j] == 0 or \
+        math.prod(out[:j]) == before and out[j] % shape[a] == 0 and out[j] > 1:
+      return j
+  return None
+
+
+def _transpose(node: Node, axes) -> int:
+  return list(node.attr("perm")).index(axes[0])
+
+
+def _sdpa(node: Node, axes) -> int | None:
+  """Keeps the heads axis (-3 of [.. heads seq dhead]) when q, k and v split there."""
+  heads = [len(x.shape) - 3 for x in node.inputs[:3]]
+  if all(axes[i] == heads[i] for i in range(3)):
+    return len(node.shape) - 3
+  return None
+
+
+def _take(node: Node, axes) -> int | None:
+  table, idx = node.inputs
+  if axes[0] is not None:  # a table split on its width: the rows keep it
+    return len(node.shape) - 1 if axes[0] == len(table.shape) - 1 and axes[1] is None else None
+  return axes[1]
+
+
+def _expand(node: Node, axes) -> int:
+  axis = node.attr("axis") % len(node.shape)
+  return axes[0] + (1 if axes[0] >= axis else 0)
+
+
+def _squeeze(node: Node, axes) -> int | None:
+  axis = node.attr("axis") % len(node.inputs[0].shape)
+  return None if axes[0] == axis else axes[0] - (1 if axes[0] > axis else 0)
+
+
+def _first(node: Node, axes) -> int | None:
+  """The split of the first input, kept when it is the only one (masks, dropout, taps)."""
+  return axes[0] if all(a is None for a in axes[1:]) else None
+
+
+def _stops(node: Node, axes) -> None:
+  return None
+
+
+def _last_two(node: Node, axes) -> int | None:
+  """Kept outside the last two axes (triangles of a matrix, masks of scores)."""
+  a = _first(node, axes)
+  return a if a is not None and a < len(node.shape) - 2 else None
+
+
+register_split(_pointwise, "+", "-", "*", "/", "pow", "max", "min", "mod", "=", "!=", "<", "<=",
+               ">", ">=", "logical-and", "logical-or", "where", "neg", "abs", "exp", "log",
+               "log1p", "expm1", "sqrt", "rsqrt", "square", "sin", "cos", "tanh", "sigmoid",
+               "relu", "gelu", "silu", "softplus", "erf", "sign", "floor", "ceil", "round",
+               "isfinite", "logical-not", "cast", "clip", "stop-gradient", "broadcast")
+register_split(_reduce, "sum", "mean", "max-of", "min-of", "logsumexp", "argmax", "softmax",
+               "log-softmax")
+register_split(_along, "cumsum", "cumprod", "slice", "flip", "concat", "sort", "argsort",
+               "linear-recurrence", "take-along")
+register_split(_matmul, "matmul")
+register_split(_reshape, "reshape")
+register_split(_transpose, "transpose")
+register_split(_sdpa, "sdpa")
+register_split(_take, "take")
+register_split(_expand, "expand")
+register_split(_squeeze, "squeeze")
+register_split(_first, "dropout", "tap", "one-hot", "segment-mask", "tile")
+register_split(_last_two, "causal-mask", "tril", "triu")
+register_split(lambda n, axes: SUM if axes[0] == len(n.inputs[0].shape) - 1 else _first(n, axes),
+               "cross-entropy")
+register_split(_stops, "top-k", "top-k-indices", "pad", "scatter-add", "conv", "avg-pool",
+               "max-pool", "chunked-cross-entropy")
+register_split("a split does not enter a scan's function: its parameters stay as fsdp "
+               "places them", "scan", "associative-scan")
+register_split("einsum's letters are not read for splits yet: its operands stay as fsdp "
+               "places them", "einsum")
+register_split("makes a value from no input, so nothing is split", "iota", "full",
+               "bernoulli", "random-int", "random-normal", "random-permutation",
+               "random-uniform")
+
+
+# --- Megatron's pairs --------------------------------------------------------------------
+@dataclasses.dataclass
+class Pairs:
+  """What `find_pairs` found: parameter path → (per-layer axis split on `tensor`, why),
+  and the sizes a tensor split must divide as (size, what)."""
+
+  split: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+  sizes: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+
+def _is_param(x) -> bool:
+  return isinstance(x, Node) and x.op == "param" and len(x.shape) == 2
+
+
+def _walk_body(nodes: list[Node], out: Pairs) -> None:
+  # uid → (axis, column parameters, sizes on the way)
+  state: dict[int, tuple[int, frozenset, tuple]] = {}
+  for node in nodes:
+    if node.op == "repeat":
+      _walk_body(list(walk([node.attr("body").output])), out)
+      continue
+    ins = [state.get(i.uid) if isinstance(i, Node) else None for i in node.inputs]
+    if node.op == "take" and _is_param(node.inputs[0]):
+      t = node.inputs[0]
+      out.split[t.attr("path")] = (0, "vocabulary")
+      out.sizes.append((t.shape[0], f"the vocabulary of {t.attr('path')}"))
+    if node.op == "matmul" and _is_param(node.inputs[1]) and ins[0] is None:
+      w = node.inputs[1]
+      state[node.uid] = (len(node.shape) - 1, frozenset([w.attr("path")]),
+                         ((w.shape[1], f"the {w.shape[1]} columns of {w.attr('path')}"),))
+      continue
+    if all(s is None for s in ins):
+      continue
+    rule = SPLIT.get(node.op)
+    if not callable(rule):
+      continue
+    got = rule(node, tuple(s[0] if s else None for s in ins))
+    cols = frozenset().union(*(s[1] for s in ins if s))
+    sizes = tuple(x for s in ins if s for x in s[2])
+    if got == SUM:
+      if node.op == "matmul" and _is_param(node.inputs[1]):  # the pair's row half
+        w = node.inputs[1]
+        out.split[w.attr("path")] = (0, "rows")
+        out.sizes += list(sizes) + [(w.shape[0], f"the {w.shape[0]} rows of {w.attr('path')}")]
+        out.split.update({c: (1, "columns") for c in cols if c not in out.split})
+      elif node.op in ("softmax", "log-softmax", "logsumexp", "cross-entropy"):
+        out.split.update({c: (1, "vocabulary") for c in cols if c not in out.split})
+        out.sizes += list(sizes)
+    elif got is not None:
+      if node.op == "reshape" and node.shape[got] < node.inputs[0].shape[ins[0][0]]:
+        sizes += ((node.shape[got], f"the {node.shape[got]} heads after {node.op} at "
+                   f"{node.loc or node.scope}"),)
+      state[node.uid] = (got, cols, sizes)
+
+
+def find_pairs(graph: Graph) -> Pairs:
+  """The tensor-parallel split of each parameter the rules find in `graph` (above)."""
+  out = Pairs()
+  _walk_body(graph.nodes(), out)
+  return out
+
+
+def divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def param_specs(graph: Graph, params: dict, mesh: tuple[tuple[str, int], ...]) -> dict:
+  """Each parameter's PartitionSpec (full shape, stack axes first) under `mesh`.
+
+  Raises:
+    SxError: E-KNOB-003 when the tensor size does not divide a size the pairs split,
+      naming that size and the tensor sizes that would divide it.
+  """
+  from jax.sharding import PartitionSpec as P
+  sizes = dict(mesh)
+  t, f = sizes.get("tensor", 1), sizes.get("fsdp", 1)
+  pairs = find_pairs(graph) if t > 1 else Pairs()
+  text = ",".join(f"{a}:{s}" for a, s in mesh)
+  for size, what in pairs.sizes:
+    if size % t:
+      fit = [d for d in divisors(math.gcd(*[s for s, _ in pairs.sizes])) if d > 1]
+      raise SxError("E-KNOB-003", f"tensor:{t} does not divide {what} ({size})",
+                    where=f"--set sharding={text}",
+                    fix=f"tensor sizes that divide {size}: "
+                    + ", ".join(map(str, divisors(size)))
+                    + (f"; every size the pairs split: {', '.join(map(str, fit))}"
+                       if fit else ""))
+  out = {}
+  for path, p in params.items():
+    shape, skip = tuple(p.full_shape), len(p.stack)
+    spec: list = [None] * len(shape)
+    if path in pairs.split:
+      spec[skip + pairs.split[path][0]] = "tensor"
+    if f > 1:
+      best = None
+      for i in range(skip, len(shape)):
+        if spec[i] is None and shape[i] % f == 0 and (best is None or shape[i] > shape[best]):
+          best = i
+      if best is not None:
+        spec[best] = "fsdp"
+    out[path] = P(*spec) if any(s is not None for s in spec) else P()
+  return out
+
+
+def make_mesh(devices: list, mesh: tuple[tuple[str, int], ...]):
+  """A jax Mesh of the devices in their order, with the named axes as written."""
+  import numpy as np
+  from jax.sharding import Mesh
+  return Mesh(np.array(devices).reshape([s for _, s in mesh]), tuple(a for a, _ in mesh))
+
+
+def spec_text(spec) -> str:
+  """`P(None, 'tensor')` written short: `(·, tensor)`, or `replicated`."""
+  parts = tuple(spec)
+  if not any(parts):
+    return "replicated"
+  return "(" + ", ".join("·" if a is None else (a if isinstance(a, str) else "+".join(a))
+                         for a in parts) + ")"

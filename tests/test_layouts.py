@@ -1,0 +1,164 @@
+"""`:sharding` as a mesh (tensor:4, fsdp:2,tensor:2) over 4 XLA host devices: replicate's
+losses, bitwise run to run, each device's share of each split parameter, the pairs the
+split rules find, and the E-codes of a mesh that does not fit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, sexpgpu_cmd
+
+TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+LAYOUTS = ("tensor:4", "fsdp:2,tensor:2")
+
+
+def _env(n):
+  e = dict(os.environ, SEXPGPU_DEVICES=",".join(map(str, range(n))),
+           XLA_FLAGS=f"--xla_force_host_platform_device_count={n} "
+           + os.environ.get("XLA_FLAGS", ""))
+  e.pop("SEXPGPU_STACKING", None)
+  return e
+
+
+# One process, 4 host devices: 10 steps of replicate and of each layout twice, each
+# device's share of the state, and the plan's lines of specs.
+_RUNS = """
+import json, sys, time
+import jax
+import sexpgpu
+from sexpgpu.run.compile import compile_file
+from sexpgpu.run.devices import open_devices
+from sexpgpu.run.plan import spec_lines
+from sexpgpu.run.training import build
+out = {{"losses": {{}}, "seconds": {{}}, "shares": {{}}, "specs": {{}}}}
+for i, name in enumerate(["replicate"] + [l for l in {layouts!r} for _ in (0, 1)]):
+  t = time.time()
+  m = f"{tmp}/{{i}}.jsonl"
+  sets = {{"sharding": name, "microbatches": 4}}
+  sexpgpu.compile({path!r}, "smoke", set=sets).run(steps=10, metrics=f"jsonl:{{m}}")
+  out["losses"].setdefault(name, []).append(
+      [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"])
+  out["seconds"][name] = time.time() - t
+for name in {layouts!r}:
+  c = compile_file({path!r}, "smoke", [("microbatches", "4"), ("sharding", name)])
+  training = build(c, open_devices("cpu", [0, 1, 2, 3]))
+  state = training.init_state()
+  specs = training.specs()
+  out["specs"][name] = {{p: [a if a is None or isinstance(a, str) else list(a) for a in s]
+                        for p, s in specs.items()}}
+  out["plan"] = spec_lines(training)
+  rows = []
+  for part in ("params", "opt"):
+    for k, x in jax.tree_util.tree_leaves_with_path(state[part]):
+      rows.append((part, jax.tree_util.keystr(k), int(x.nbytes),
+                   [int(s.data.nbytes) for s in x.addressable_shards]))
+  out["shares"][name] = rows
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("layouts")
+  p = subprocess.run([sys.executable, "-c", _RUNS.format(path=TINY, layouts=LAYOUTS, tmp=tmp)],
+                     cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, p.stderr[-4000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_layout_trains_as_replicate_and_bitwise_run_to_run(runs, layout):
+  (rep,), (first, second) = runs["losses"]["replicate"], runs["losses"][layout]
+  assert len(first) == 10
+  np.testing.assert_allclose(first, rep, rtol=0, atol=1e-5)
+  assert first == second
+  print(layout, "max |loss - replicate's|", float(np.max(np.abs(np.subtract(first, rep)))),
+        f"{runs['seconds'][layout]:.1f} s")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_device_holds_its_share_of_each_split_parameter(runs, layout):
+  sizes = dict((a, int(s)) for a, s in (x.split(":") for x in layout.split(",")))
+  specs = runs["specs"][layout]
+  assert specs[next(p for p in specs if p.endswith("block/mlp/up/w"))][-1] == "tensor"
+  assert specs[next(p for p in specs if p.endswith("block/mlp/down/w"))][-2] == "tensor"
+  assert specs[next(p for p in specs if p.endswith("/embed"))][0] == "tensor"
+  checked = 0
+  for part, key, whole, shards in runs["shares"][layout]:
+    path = next((p for p in specs if f"'{p}'" in key), None)
+    if path is None:  # a counter or a step: whole on every device
+      assert shards == [whole] * 4
+      continue
+    ways = 1
+    for a in specs[path]:
+      ways *= sizes.get(a, 1) if isinstance(a, str) else 1
+    assert shards == [whole // ways] * 4, (part, key, specs[path])  # the optimizer's too
+    checked += ways > 1
+  assert checked >= 16  # params, and adam's two moments, of the split parameters
+
+
+def test_the_plan_lists_each_parameters_spec(runs):
+  lines = runs["plan"]  # the last layout's, fsdp:2,tensor:2
+  up = next(x for x in lines if "block/mlp/up/w" in x)
+  assert up.split()[-3:] == ["(·,", "fsdp,", "tensor)"], up
+  norm = next(x for x in lines if "block/norm1/scale" in x)  # the layer axis kept whole
+  assert norm.split()[-2:] == ["(·,", "fsdp)"], norm
+
+
+def test_the_rules_find_megatrons_pairs_and_the_vocabulary():
+  from sexpgpu.lower.layouts import find_pairs
+  from sexpgpu.run.compile import compile_file
+  c = compile_file(TINY, None, [])
+  split = {p.replace("lm/transformer-lm/", "").replace("repeat/block/", ""): how
+           for p, how in find_pairs(c.stages[0].graph).split.items()}
+  assert split == {"attention/q/w": (1, "columns"), "attention/k/w": (1, "columns"),
+                   "attention/v/w": (1, "columns"), "attention/o/w": (0, "rows"),
+                   "mlp/up/w": (1, "columns"), "mlp/down/w": (0, "rows"),
+                   "embed": (0, "vocabulary"), "unembed": (1, "vocabulary")}
+
+
+def _error(fn):
+  from sexpgpu.errors import SxError
+  with pytest.raises(SxError) as e:
+    fn()
+  return e.value
+
+
+def test_an_unknown_axis_is_an_error_naming_the_axes():
+  from sexpgpu.run.compile import compile_file
+  e = _error(lambda: compile_file(TINY, None, [("sharding", "fsdp:2,model:2")]))
+  assert e.code == "E-KNOB-003" and "`model`" in e.message
+  assert "data, fsdp, tensor, expert" in e.fix
+  e = _error(lambda: compile_file(TINY, None, [("sharding", "tensr")]))
+  assert e.code == "E-KNOB-003" and "a mesh like fsdp:2,tensor:2" in e.fix
+
+
+def test_a_mesh_of_another_device_count_is_an_error():
+  from sexpgpu.lower.layouts import check_devices
+  e = _error(lambda: check_devices("fsdp:2,tensor:4", 4))
+  assert e.code == "E-KNOB-003" and "has 8 devices; the run has 4" in e.message
+  assert e.where == "--set sharding=fsdp:2,tensor:4" and "tensor:4" in e.fix
+
+
+def test_a_tensor_size_that_does_not_divide_the_heads_names_them_and_the_divisors():
+  from sexpgpu.lower.layouts import param_specs
+  from sexpgpu.run.compile import compile_file
+  c = compile_file(TINY, None, [("heads", "2"), ("width", "96")])
+  e = _error(lambda: param_specs(c.stages[0].graph, c.params, (("tensor", 4),)))
+  assert e.code == "E-KNOB-003" and "tensor:4 does not divide the 2 heads" in e.message
+  assert e.fix.startswith("tensor sizes that divide 2: 1, 2")
+  c = compile_file(TINY, None, [("vocab", "30")])
+  e = _error(lambda: param_specs(c.stages[0].graph, c.params, (("tensor", 4),)))
+  assert "tensor:4 does not divide the vocabulary of lm/transformer-lm/embed (30)" in e.message
+
+
+def test_the_cli_refuses_a_mesh_of_another_device_count(tmp_path):
+  p = subprocess.run(sexpgpu_cmd("check", TINY, "--variant", "smoke", "--set", "microbatches=4",
+                                 "--set", "sharding=tensor:2", "--print", "plan"),
+                     cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=300)
+  assert p.returncode == 1 and "error[E-KNOB-003]" in p.stderr, p.stderr
+  assert "the mesh tensor:2 has 2 devices; the run has 4" in p.stderr
