@@ -81,7 +81,11 @@ class ShardedTrainStep(TrainStep):
   """A TrainStep whose state is sharded over the mesh (`fsdp` or `hsdp`).
 
   `stacks` maps each parameter path to its repeat axes count, so the layer axes of a
-  stacked repeat stay whole.
+  stacked repeat stay whole. On a mesh of named axes (`:sharding fsdp:2,tensor:2`,
+  lower/layouts.py) `layout` gives each parameter's spec, the ranks' axis of the batch
+  splits over the data axes only, and the partitioner splits the matmuls of a tensor
+  pair rather than gathering their weights (measured in tests/test_layouts.py: no
+  constraint on activations was needed, in an unrolled repeat or a scanned one).
   """
 
   sharding: str = "fsdp"
