@@ -43,6 +43,18 @@ for i, name in enumerate(["replicate"] + [l for l in {layouts!r} for _ in (0, 1)
   out["losses"].setdefault(name, []).append(
       [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"])
   out["seconds"][name] = time.time() - t
+# a resume into another layout: 4 steps of tensor:4, then fsdp:4 from its checkpoint to 10
+for name, steps, resume in (("tensor:4", 4, None), ("fsdp:4", 10, "{tmp}/ck")):
+  m = f"{tmp}/{{name}}.jsonl"
+  sets = {{"sharding": name, "microbatches": 4}}
+  if resume:
+    import glob
+    (resume,) = glob.glob(resume + "/*/4")
+  sexpgpu.compile({path!r}, "smoke", set=sets).run(
+      steps=steps, metrics=f"jsonl:{{m}}", checkpoint_dir=None if resume else "{tmp}/ck",
+      resume=resume)
+  out["losses"].setdefault("resumed", []).extend(
+      [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"])
 for name in {layouts!r}:
   c = compile_file({path!r}, "smoke", [("microbatches", "4"), ("sharding", name)])
   training = build(c, open_devices("cpu", [0, 1, 2, 3]))
@@ -112,6 +124,17 @@ def test_the_plan_lists_each_parameters_spec(runs):
   assert up.split()[-3:] == ["(·,", "fsdp,", "tensor)"], up
   norm = next(x for x in lines if "block/norm1/scale" in x)  # the layer axis kept whole
   assert norm.split()[-2:] == ["(·,", "fsdp)"], norm
+
+
+def test_a_resume_may_change_the_layout(runs):
+  """tensor:4 for 4 steps, then fsdp:4 from its checkpoint: the uninterrupted tensor:4
+  run's losses, within 1e-5 (the layouts sum in different orders)."""
+  resumed, (full, _) = runs["losses"]["resumed"], runs["losses"]["tensor:4"]
+  assert len(resumed) == 10
+  assert resumed[:4] == full[:4]
+  np.testing.assert_allclose(resumed, full, rtol=0, atol=1e-5)
+  print("resumed into fsdp:4, max |loss - tensor:4's|",
+        float(np.max(np.abs(np.subtract(resumed, full)))))
 
 
 def test_the_step_sums_the_pairs_activations(runs):
