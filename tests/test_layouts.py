@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, sexpgpu_cmd
 
 TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
+MOE = os.path.join(ROOT, "configs", "moe-lm.sx")
 LAYOUTS = ("tensor:4", "fsdp:2,tensor:2")
 
 
@@ -35,11 +36,14 @@ from sexpgpu.run.devices import open_devices
 from sexpgpu.run.plan import spec_lines
 from sexpgpu.run.training import build
 out = {{"losses": {{}}, "seconds": {{}}, "shares": {{}}, "specs": {{}}}}
-for i, name in enumerate(["replicate"] + [l for l in {layouts!r} for _ in (0, 1)]):
+runs = [({path!r}, "replicate")] + [({path!r}, l) for l in {layouts!r} for _ in (0, 1)]
+runs += [({moe!r}, "replicate"), ({moe!r}, "expert:4"), ({moe!r}, "expert:4")]
+for i, (path, name) in enumerate(runs):
   t = time.time()
   m = f"{tmp}/{{i}}.jsonl"
   sets = {{"sharding": name, "microbatches": 4}}
-  sexpgpu.compile({path!r}, "smoke", set=sets).run(steps=10, metrics=f"jsonl:{{m}}")
+  sexpgpu.compile(path, "smoke", set=sets).run(steps=10, metrics=f"jsonl:{{m}}")
+  name = name if path == {path!r} else "moe " + name
   out["losses"].setdefault(name, []).append(
       [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"])
   out["seconds"][name] = time.time() - t
@@ -55,25 +59,26 @@ for name, steps, resume in (("tensor:4", 4, None), ("fsdp:4", 10, "{tmp}/ck")):
       resume=resume)
   out["losses"].setdefault("resumed", []).extend(
       [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"])
-for name in {layouts!r}:
-  c = compile_file({path!r}, "smoke", [("microbatches", "4"), ("sharding", name)])
+for path, name in [({path!r}, l) for l in {layouts!r}] + [({moe!r}, "expert:4")]:
+  c = compile_file(path, "smoke", [("microbatches", "4"), ("sharding", name)])
   training = build(c, open_devices("cpu", [0, 1, 2, 3]))
   state = training.init_state()
   specs = training.specs()
   out["specs"][name] = {{p: [a if a is None or isinstance(a, str) else list(a) for a in s]
                         for p, s in specs.items()}}
-  out["plan"] = spec_lines(training)
+  out.setdefault("plan", spec_lines(training))
   rows = []
   for part in ("params", "opt"):
     for k, x in jax.tree_util.tree_leaves_with_path(state[part]):
       rows.append((part, jax.tree_util.keystr(k), int(x.nbytes),
                    [int(s.data.nbytes) for s in x.addressable_shards]))
   out["shares"][name] = rows
-  if name == "tensor:4":  # the collectives of its compiled step, by kind and result type
-    text = training.step(0, 1).lowered(
-        training.place_abstract(training.abstract_state()),
-        training.abstract_batches(c.stages[0].data, (4,))).compile().as_text()
-    out["collectives"] = re.findall(r"= (\\S+) (all-gather|all-reduce|reduce-scatter)\\(", text)
+  # the collectives of its compiled step, by kind and result type
+  text = training.step(0, 1).lowered(
+      training.place_abstract(training.abstract_state()),
+      training.abstract_batches(c.stages[0].data, (4,))).compile().as_text()
+  out.setdefault("collectives", {{}})[name] = re.findall(
+      r"= (\\S+) (all-gather|all-reduce|reduce-scatter|all-to-all)\\(", text)
 print(json.dumps(out))
 """
 
@@ -81,20 +86,20 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("layouts")
-  p = subprocess.run([sys.executable, "-c", _RUNS.format(path=TINY, layouts=LAYOUTS, tmp=tmp)],
+  p = subprocess.run([sys.executable, "-c", _RUNS.format(path=TINY, moe=MOE, layouts=LAYOUTS, tmp=tmp)],
                      cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=900)
   assert p.returncode == 0, p.stderr[-4000:]
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + ("moe expert:4",))
 def test_a_layout_trains_as_replicate_and_bitwise_run_to_run(runs, layout):
-  (rep,), (first, second) = runs["losses"]["replicate"], runs["losses"][layout]
+  (rep,) = runs["losses"]["moe replicate" if "moe" in layout else "replicate"]
+  first, second = runs["losses"][layout]
   assert len(first) == 10
   np.testing.assert_allclose(first, rep, rtol=0, atol=1e-5)
   assert first == second
-  print(layout, "max |loss - replicate's|", float(np.max(np.abs(np.subtract(first, rep)))),
-        f"{runs['seconds'][layout]:.1f} s")
+  print(layout, "max |loss - replicate's|", float(np.max(np.abs(np.subtract(first, rep)))))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -118,12 +123,33 @@ def test_each_device_holds_its_share_of_each_split_parameter(runs, layout):
   assert checked >= 16  # params, and adam's two moments, of the split parameters
 
 
+def test_each_device_holds_a_quarter_of_the_expert_weights(runs):
+  specs, rows = runs["specs"]["expert:4"], runs["shares"]["expert:4"]
+  experts = [p for p in specs if "/moe-experts/" in p]
+  assert sorted(p.rsplit("/", 1)[1] for p in experts) == ["down", "gate", "up"]
+  assert all(specs[p] == ["expert", None, None] for p in experts)
+  assert all(specs[p] == [] for p in specs if p not in experts)  # the rest replicated
+  mine = [(key, whole, shards) for _, key, whole, shards in rows
+          if any(f"'{p}'" in key for p in experts)]
+  assert len(mine) == 9  # the weights and adam's two moments
+  assert all(shards == [whole // 4] * 4 for _, whole, shards in mine), mine
+
+
+@pytest.mark.xfail(strict=True, reason="expert:4 splits the batch over `expert` too; inside "
+                   "the ranks' vmap the partitioner then gathers each whole expert weight to "
+                   "the tokens rather than sending the tokens to their experts (all-to-all): "
+                   "it needs a sharding constraint on the dispatched tokens")
+def test_no_expert_weight_is_gathered_under_expert_parallel(runs):
+  got = runs["collectives"]["expert:4"]
+  assert [t for t, kind in got if kind == "all-gather" and t.startswith("f32[4,")] == []
+
+
 def test_the_plan_lists_each_parameters_spec(runs):
-  lines = runs["plan"]  # the last layout's, fsdp:2,tensor:2
+  lines = runs["plan"]  # tensor:4's
   up = next(x for x in lines if "block/mlp/up/w" in x)
-  assert up.split()[-3:] == ["(·,", "fsdp,", "tensor)"], up
-  norm = next(x for x in lines if "block/norm1/scale" in x)  # the layer axis kept whole
-  assert norm.split()[-2:] == ["(·,", "fsdp)"], norm
+  assert up.split()[-3:] == ["(·,", "·,", "tensor)"], up  # the layer axis kept whole
+  norm = next(x for x in lines if "block/norm1/scale" in x)
+  assert norm.split()[-1] == "replicated", norm
 
 
 def test_a_resume_may_change_the_layout(runs):
@@ -140,7 +166,8 @@ def test_a_resume_may_change_the_layout(runs):
 def test_the_step_sums_the_pairs_activations(runs):
   """Megatron's all-reduces: of activations [ranks, batch, seq, width] (the ends of the
   attention and MLP pairs, forward and backward), and of the vocabulary's log-sum-exp."""
-  reduces = {t.split("{")[0] for t, kind in runs["collectives"] if kind == "all-reduce"}
+  got = runs["collectives"]["tensor:4"]
+  reduces = {t.split("{")[0] for t, kind in got if kind == "all-reduce"}
   assert {"f32[4,4,16,32]", "f32[4,4,16]"} <= reduces, reduces
 
 
@@ -148,7 +175,8 @@ def test_the_step_sums_the_pairs_activations(runs):
                    "of the new parameters: XLA gathers each whole parameter to reshape it, at "
                    "every update (under fsdp too); leaf[(0,) * leaf.ndim] leaves none")
 def test_no_weight_is_gathered_under_tensor_parallel(runs):
-  gathers = [t for t, kind in runs["collectives"] if kind == "all-gather" and t.startswith("f32")]
+  got = runs["collectives"]["tensor:4"]
+  gathers = [t for t, kind in got if kind == "all-gather" and t.startswith("f32")]
   assert gathers == []
 
 

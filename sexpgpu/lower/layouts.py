@@ -176,6 +176,28 @@ def _sdpa(node: Node, axes) -> int | None:
   return None
 
 
+def _letters(node: Node) -> tuple[list[str], str] | None:
+  """An einsum's operands' letters and its output's (None with an ellipsis)."""
+  spec = node.attr("spec").replace(" ", "")
+  if "..." in spec:
+    return None
+  lhs, out = spec.split("->")
+  return lhs.split(","), out
+
+
+def _einsum(node: Node, axes) -> int | str | None:
+  """The split letter kept where the output has it, else summed over (SUM)."""
+  got = _letters(node)
+  if got is None:
+    return None
+  subs, out = got
+  letters = {sub[a] for sub, a in zip(subs, axes) if a is not None}
+  if len(letters) != 1:
+    return None
+  letter = letters.pop()
+  return out.index(letter) if letter in out else SUM
+
+
 def _take(node: Node, axes) -> int | None:
   table, idx = node.inputs
   if axes[0] is not None:  # a table split on its width: the rows keep it
@@ -232,8 +254,7 @@ register_split(_stops, "top-k", "top-k-indices", "pad", "scatter-add", "conv", "
                "max-pool", "chunked-cross-entropy")
 register_split("a split does not enter a scan's function: its parameters stay as fsdp "
                "places them", "scan", "associative-scan")
-register_split("einsum's letters are not read for splits yet: its operands stay as fsdp "
-               "places them", "einsum")
+register_split(lambda n, axes: _einsum(n, axes), "einsum")
 register_split("makes a value from no input, so nothing is split", "iota", "full",
                "bernoulli", "random-int", "random-normal", "random-permutation",
                "random-uniform")
@@ -243,10 +264,13 @@ register_split("makes a value from no input, so nothing is split", "iota", "full
 @dataclasses.dataclass
 class Pairs:
   """What `find_pairs` found: parameter path → (per-layer axis split on `tensor`, why),
-  and the sizes a tensor split must divide as (size, what)."""
+  the expert weights (path → per-layer axis split on `expert`), and the sizes a split
+  must divide as (size, what), for `tensor` and for `expert`."""
 
   split: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
   sizes: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+  experts: dict[str, int] = dataclasses.field(default_factory=dict)
+  expert_sizes: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 def _is_param(x) -> bool:
@@ -261,6 +285,13 @@ def _walk_body(nodes: list[Node], out: Pairs) -> None:
       _walk_body(list(walk([node.attr("body").output])), out)
       continue
     ins = [state.get(i.uid) if isinstance(i, Node) else None for i in node.inputs]
+    if node.op == "einsum" and _letters(node) is not None:  # an MoE layer's [experts ..]
+      subs, letters = _letters(node)
+      for i, (sub, x) in enumerate(zip(subs, node.inputs)):
+        if (isinstance(x, Node) and x.op == "param" and len(x.shape) >= 3 and sub[0] in letters
+            and any(sub[0] in o for j, o in enumerate(subs) if j != i)):
+          out.experts[x.attr("path")] = 0
+          out.expert_sizes.append((x.shape[0], f"the {x.shape[0]} experts of {x.attr('path')}"))
     if node.op == "take" and _is_param(node.inputs[0]):
       t = node.inputs[0]
       out.split[t.attr("path")] = (0, "vocabulary")
@@ -285,7 +316,8 @@ def _walk_body(nodes: list[Node], out: Pairs) -> None:
         out.sizes += list(sizes) + [(w.shape[0], f"the {w.shape[0]} rows of {w.attr('path')}")]
         out.split.update({c: (1, "columns") for c in cols if c not in out.split})
       elif node.op in ("softmax", "log-softmax", "logsumexp", "cross-entropy"):
-        out.split.update({c: (1, "vocabulary") for c in cols if c not in out.split})
+        why = "vocabulary" if node.op == "cross-entropy" else "softmax"
+        out.split.update({c: (1, why) for c in cols if c not in out.split})
         out.sizes += list(sizes)
     elif got is not None:
       if node.op == "reshape" and node.shape[got] < node.inputs[0].shape[ins[0][0]]:
@@ -314,23 +346,26 @@ def param_specs(graph: Graph, params: dict, mesh: tuple[tuple[str, int], ...]) -
   """
   from jax.sharding import PartitionSpec as P
   sizes = dict(mesh)
-  t, f = sizes.get("tensor", 1), sizes.get("fsdp", 1)
-  pairs = find_pairs(graph) if t > 1 else Pairs()
+  t, f, x = sizes.get("tensor", 1), sizes.get("fsdp", 1), sizes.get("expert", 1)
+  pairs = find_pairs(graph) if t > 1 or x > 1 else Pairs()
   text = ",".join(f"{a}:{s}" for a, s in mesh)
-  for size, what in pairs.sizes:
-    if size % t:
-      fit = [d for d in divisors(math.gcd(*[s for s, _ in pairs.sizes])) if d > 1]
-      raise SxError("E-KNOB-003", f"tensor:{t} does not divide {what} ({size})",
-                    where=f"--set sharding={text}",
-                    fix=f"tensor sizes that divide {size}: "
-                    + ", ".join(map(str, divisors(size)))
-                    + (f"; every size the pairs split: {', '.join(map(str, fit))}"
-                       if fit else ""))
+  for axis, n, split in (("tensor", t, pairs.sizes), ("expert", x, pairs.expert_sizes)):
+    for size, what in split if n > 1 else ():
+      if size % n:
+        fit = [d for d in divisors(math.gcd(*[s for s, _ in split])) if d > 1]
+        raise SxError("E-KNOB-003", f"{axis}:{n} does not divide {what} ({size})",
+                      where=f"--set sharding={text}",
+                      fix=f"{axis} sizes that divide {size}: "
+                      + ", ".join(map(str, divisors(size)))
+                      + (f"; every size the rules split: {', '.join(map(str, fit))}"
+                         if fit else ""))
   out = {}
   for path, p in params.items():
     shape, skip = tuple(p.full_shape), len(p.stack)
     spec: list = [None] * len(shape)
-    if path in pairs.split:
+    if x > 1 and path in pairs.experts:
+      spec[skip + pairs.experts[path]] = "expert"
+    elif t > 1 and path in pairs.split:
       spec[skip + pairs.split[path][0]] = "tensor"
     if f > 1:
       best = None
