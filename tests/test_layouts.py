@@ -77,8 +77,9 @@ for path, name in [({path!r}, l) for l in {layouts!r}] + [({moe!r}, "expert:4")]
   text = training.step(0, 1).lowered(
       training.place_abstract(training.abstract_state()),
       training.abstract_batches(c.stages[0].data, (4,))).compile().as_text()
-  out.setdefault("collectives", {{}})[name] = re.findall(
-      r"= (\\S+) (all-gather|all-reduce|reduce-scatter|all-to-all)\\(", text)
+  out.setdefault("collectives", {{}})[name] = [m.groups() for m in (re.search(
+      r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all)\\(", l)
+      for l in text.splitlines()) if m]
 print(json.dumps(out))
 """
 
@@ -135,13 +136,13 @@ def test_each_device_holds_a_quarter_of_the_expert_weights(runs):
   assert all(shards == [whole // 4] * 4 for _, whole, shards in mine), mine
 
 
-@pytest.mark.xfail(strict=True, reason="expert:4 splits the batch over `expert` too; inside "
-                   "the ranks' vmap the partitioner then gathers each whole expert weight to "
-                   "the tokens rather than sending the tokens to their experts (all-to-all): "
-                   "it needs a sharding constraint on the dispatched tokens")
-def test_no_expert_weight_is_gathered_under_expert_parallel(runs):
+def test_expert_parallel_sends_the_tokens_to_their_experts(runs):
+  """The dispatch and the combine (and their gradients) are all-to-alls over `expert`; no
+  device gathers an expert weight [4 32 64] (left to itself the partitioner did)."""
   got = runs["collectives"]["expert:4"]
-  assert [t for t, kind in got if kind == "all-gather" and t.startswith("f32[4,")] == []
+  assert sum(kind == "all-to-all" for _, kind in got) >= 4, got
+  assert not [t for t, kind in got if kind == "all-gather" and ("[4,32,64]" in t or
+                                                                "[4,64,32]" in t)], got
 
 
 def test_the_plan_lists_each_parameters_spec(runs):
@@ -213,6 +214,8 @@ def test_a_mesh_of_another_device_count_is_an_error():
   e = _error(lambda: check_devices("fsdp:2,tensor:4", 4))
   assert e.code == "E-KNOB-003" and "has 8 devices; the run has 4" in e.message
   assert e.where == "--set sharding=fsdp:2,tensor:4" and "tensor:4" in e.fix
+  e = _error(lambda: check_devices("tensor:2", 4, nodes=2))
+  assert e.code == "E-KNOB-003" and "over 2 nodes only fsdp and hsdp are built" in e.message
 
 
 def test_a_tensor_size_that_does_not_divide_the_heads_names_them_and_the_divisors():
@@ -225,6 +228,16 @@ def test_a_tensor_size_that_does_not_divide_the_heads_names_them_and_the_divisor
   c = compile_file(TINY, None, [("vocab", "30")])
   e = _error(lambda: param_specs(c.stages[0].graph, c.params, (("tensor", 4),)))
   assert "tensor:4 does not divide the vocabulary of lm/transformer-lm/embed (30)" in e.message
+
+
+def test_an_expert_size_that_does_not_divide_the_experts_names_them():
+  from sexpgpu.lower.layouts import param_specs
+  from sexpgpu.run.compile import compile_file
+  c = compile_file(MOE, "smoke", [])
+  e = _error(lambda: param_specs(c.stages[0].graph, c.params, (("expert", 8),)))
+  assert e.code == "E-KNOB-003" and e.message.startswith("expert:8 does not divide the 4 "
+                                                         "experts of moe-lm/"), e.message
+  assert e.fix.startswith("expert sizes that divide 4: 1, 2, 4")
 
 
 def test_the_cli_refuses_a_mesh_of_another_device_count(tmp_path):

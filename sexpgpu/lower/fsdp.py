@@ -38,7 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.lower.attention import under_rank_vmap
+from sexpgpu.lower.interp import NOT_HANDLED, arguments, run_graph
+from sexpgpu.lower.registry import lowering
 from sexpgpu.lower.layouts import DATA_AXES
 from sexpgpu.lower.step import TrainStep
 
@@ -92,6 +95,8 @@ class ShardedTrainStep(TrainStep):
   stacks: dict = dataclasses.field(default_factory=dict)
   # a mesh of named axes (lower/layouts.py): each parameter path's PartitionSpec
   layout: dict | None = None
+  # expert einsums' uids → where their tokens are held on `expert` (layouts.Pairs.dispatch)
+  dispatch: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     super().__post_init__()
@@ -119,6 +124,37 @@ class ShardedTrainStep(TrainStep):
     if self.layout is not None:
       return self.layout.get(path, P())
     return spec_for(shape, self.n, self.over, self.stacks.get(path, 0))
+
+  def _loss_and_grad(self, params, batch, step, index):
+    """A microbatch's loss and gradients; with expert weights split on `expert`, the tokens
+    an expert einsum reads and writes held on `expert` too. Left to itself the partitioner
+    gathers every whole expert weight to the tokens; held so, the dispatch and the combine
+    become all-to-alls (tests/test_layouts.py reads them in the compiled step). Not inside
+    a repeat's body (interp asks `rule` outside bodies only), nor with tap diagnostics:
+    there the partitioner chooses, with the same numbers."""
+    if not self.dispatch or any(d.kind == "tap" for d in self.diags):
+      return super()._loss_and_grad(params, batch, step, index)
+    rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
+    ctx = LowerCtx(self.precision, rng, True, self.notes, self.platform)
+
+    def on_expert(x, axis):
+      spec = [None] * x.ndim
+      spec[axis] = "expert"
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+
+    def rule(node, env):
+      if node.uid not in self.dispatch:
+        return NOT_HANDLED
+      i, axis, out = self.dispatch[node.uid]
+      args = arguments(node, env)
+      args[i] = on_expert(args[i], axis)
+      return on_expert(lowering(node.op, ctx.platform)(ctx, *args, **dict(node.attrs)), out)
+
+    def loss_fn(p):
+      return run_graph(self.graph, p, batch, ctx, None, rule)["out"].astype(jnp.float32)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return loss, jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), {}
 
   def carry_spec(self, path: str, shape: tuple[int, ...]) -> P:
     """A node sum's or carry's PartitionSpec ([nodes, *shape]): one row a node, the row

@@ -271,6 +271,9 @@ class Pairs:
   sizes: list[tuple[int, str]] = dataclasses.field(default_factory=list)
   experts: dict[str, int] = dataclasses.field(default_factory=dict)
   expert_sizes: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+  # an expert einsum's uid → (its token operand's index, that operand's expert axis, the
+  # output's): where the step holds the tokens on `expert` (lower/fsdp.py)
+  dispatch: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
 
 def _is_param(x) -> bool:
@@ -291,6 +294,8 @@ def _walk_body(nodes: list[Node], out: Pairs) -> None:
         if (isinstance(x, Node) and x.op == "param" and len(x.shape) >= 3 and sub[0] in letters
             and any(sub[0] in o for j, o in enumerate(subs) if j != i)):
           out.experts[x.attr("path")] = 0
+          other = next(j for j, o in enumerate(subs) if j != i and sub[0] in o)
+          out.dispatch[node.uid] = (other, subs[other].index(sub[0]), letters.index(sub[0]))
           out.expert_sizes.append((x.shape[0], f"the {x.shape[0]} experts of {x.attr('path')}"))
     if node.op == "take" and _is_param(node.inputs[0]):
       t = node.inputs[0]

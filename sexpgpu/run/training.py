@@ -18,7 +18,7 @@ from sexpgpu.ir.shapes import np_dtype
 from sexpgpu.lower.init import init_params
 from sexpgpu.lower.optim import make_optimizer
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
-from sexpgpu.lower.layouts import check_devices, is_mesh, make_mesh, param_specs
+from sexpgpu.lower.layouts import check_devices, find_pairs, is_mesh, make_mesh, param_specs
 from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
 
 
@@ -79,12 +79,14 @@ class Training:
         self._steps[key] = TrainStep(*args)
       else:
         stacks = {path: len(p.stack) for path, p in self.c.params.items()}
-        layout = None
+        layout, dispatch, graph = None, {}, self.c.stages[stage].graph
         if self.mesh is not None:  # each parameter's spec from the stage's graph
-          layout = param_specs(self.c.stages[stage].graph, self.c.params, self.mesh)
+          layout = param_specs(graph, self.c.params, self.mesh)
+          if dict(self.mesh).get("expert", 1) > 1:
+            dispatch = find_pairs(graph).dispatch
           args = args[:9] + (make_mesh(place.devices, self.mesh),) + args[10:]
         self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks,
-                                            layout=layout)
+                                            layout=layout, dispatch=dispatch)
     return self._steps[key]
 
   def place_state(self, state: dict, stage: int = 0) -> dict:
