@@ -38,10 +38,14 @@ from sexpgpu.run.training import build
 out = {{"losses": {{}}, "seconds": {{}}, "shares": {{}}, "specs": {{}}}}
 runs = [({path!r}, "replicate")] + [({path!r}, l) for l in {layouts!r} for _ in (0, 1)]
 runs += [({moe!r}, "replicate"), ({moe!r}, "expert:4"), ({moe!r}, "expert:4")]
+runs += [("5 layers", "replicate"), ("5 layers", "tensor:4")]  # a scanned repeat
 for i, (path, name) in enumerate(runs):
   t = time.time()
   m = f"{tmp}/{{i}}.jsonl"
   sets = {{"sharding": name, "microbatches": 4}}
+  if path == "5 layers":
+    path, sets["layers"] = {path!r}, 5
+    name = "5 layers " + name
   sexpgpu.compile(path, "smoke", set=sets).run(steps=10, metrics=f"jsonl:{{m}}")
   name = name if path == {path!r} else "moe " + name
   out["losses"].setdefault(name, []).append(
@@ -96,7 +100,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS + ("moe expert:4",))
 def test_a_layout_trains_as_replicate_and_bitwise_run_to_run(runs, layout):
   (rep,) = runs["losses"]["moe replicate" if "moe" in layout else "replicate"]
-  first, second = runs["losses"][layout]
+  first, second = runs["losses"][layout]  # the second from a fresh compile
   assert len(first) == 10
   np.testing.assert_allclose(first, rep, rtol=0, atol=1e-5)
   assert first == second
@@ -153,6 +157,18 @@ def test_the_plan_lists_each_parameters_spec(runs):
   assert norm.split()[-1] == "replicated", norm
 
 
+def test_a_scanned_repeat_trains_as_replicate_under_tensor_4(runs):
+  """5 layers: past interp's UNROLL_MAX, so the blocks run in a lax.scan, its stacked
+  weights split on `tensor` with the layer axis whole."""
+  from sexpgpu.lower.interp import UNROLL_MAX
+  assert UNROLL_MAX < 5
+  (rep,), (mine,) = runs["losses"]["5 layers replicate"], runs["losses"]["5 layers tensor:4"]
+  assert len(mine) == 10
+  np.testing.assert_allclose(mine, rep, rtol=0, atol=1e-5)
+  gap = float(np.max(np.abs(np.subtract(mine, rep))))
+  print("5 layers tensor:4 max |loss - replicate's|", gap)
+
+
 def test_a_resume_may_change_the_layout(runs):
   """tensor:4 for 4 steps, then fsdp:4 from its checkpoint: the uninterrupted tensor:4
   run's losses, within 1e-5 (the layouts sum in different orders)."""
@@ -198,6 +214,17 @@ def _error(fn):
   with pytest.raises(SxError) as e:
     fn()
   return e.value
+
+
+def test_defrun_writes_a_mesh_as_a_string(tmp_path):
+  from sexpgpu.run.compile import compile_file
+  src = open(TINY).read().replace(":precision f32", ':precision f32 :sharding "fsdp:2,tensor:2"')
+  (tmp_path / "mesh.sx").write_text(src)
+  c = compile_file(str(tmp_path / "mesh.sx"), None, [])
+  assert str(c.exp.run["sharding"]) == "fsdp:2,tensor:2"
+  (tmp_path / "bad.sx").write_text(src.replace("tensor:2", "tensor:2,model:1"))
+  e = _error(lambda: compile_file(str(tmp_path / "bad.sx"), None, []))
+  assert e.code == "E-KNOB-003" and "`model`" in e.message and e.location is not None
 
 
 def test_an_unknown_axis_is_an_error_naming_the_axes():
