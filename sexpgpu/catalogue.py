@@ -85,7 +85,8 @@ _ENTRIES = (
           "SEXPGPU_RUN_SLUG"),
     # outputs and the environment
     Entry("E-METRICS-001", "a metrics target that does not parse or cannot be opened",
-          "give targets as jsonl:PATH, tensorboard:DIR or mlflow:URI, comma-separated"),
+          "give targets as jsonl:PATH, tensorboard:DIR, mlflow:URI or wandb:PROJECT[/RUN], "
+          "comma-separated"),
     Entry("E-ENV-001", "an environment variable that does not parse",
           "fix or unset the variable named"),
     # devices

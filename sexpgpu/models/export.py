@@ -33,6 +33,21 @@ def _save(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str]) -
   save_file({k: jnp.asarray(v) for k, v in tensors.items()}, path, metadata=metadata)
 
 
+def _tokenizer_config(tokenizer: str, config: dict, positions: int | None) -> dict:
+  """What `AutoTokenizer` needs to read tokenizer.json as it is: without it a Llama, Mixtral
+  or Mamba folder gets a tokenizer class that adds `<s>` and `</s>` as new tokens and puts
+  `<s>` before every text, so lm-evaluation-harness would score other ids than the model
+  was trained on."""
+  with open(tokenizer, encoding="utf-8") as f:
+    names = {int(t["id"]): str(t["content"]) for t in json.load(f).get("added_tokens") or []}
+  out = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+         "add_eos_token": False, "bos_token": names.get(config.get("bos_token_id")),
+         "eos_token": names.get(config.get("eos_token_id"))}
+  if positions:
+    out["model_max_length"] = int(positions)
+  return out
+
+
 def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
            tokenizer: str | None = None) -> list[str]:
   """Writes the parameters of experiment `c` as `fmt`.
@@ -72,6 +87,9 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
     if tokenizer:
       written.append(os.path.join(out, "tokenizer.json"))
       shutil.copyfile(tokenizer, written[-1])
+      written.append(os.path.join(out, "tokenizer_config.json"))
+      with open(written[-1], "w") as f:
+        json.dump(_tokenizer_config(tokenizer, config, g.positions), f, indent=2)
     return written
   except SxError:
     raise
