@@ -33,7 +33,7 @@ import jax
 import sexpgpu
 from sexpgpu.run.compile import compile_file
 from sexpgpu.run.devices import open_devices
-from sexpgpu.run.plan import spec_lines
+from sexpgpu.run.plan import collective_lines, spec_lines
 from sexpgpu.run.training import build
 out = {{"losses": {{}}, "seconds": {{}}, "shares": {{}}, "specs": {{}}}}
 runs = [({path!r}, "replicate")] + [({path!r}, l) for l in {layouts!r} for _ in (0, 1)]
@@ -78,9 +78,11 @@ for path, name in [({path!r}, l) for l in {layouts!r}] + [({moe!r}, "expert:4")]
                    [int(s.data.nbytes) for s in x.addressable_shards]))
   out["shares"][name] = rows
   # the collectives of its compiled step, by kind and result type
-  text = training.step(0, 1).lowered(
+  compiled = training.step(0, 1).lowered(
       training.place_abstract(training.abstract_state()),
-      training.abstract_batches(c.stages[0].data, (4,))).compile().as_text()
+      training.abstract_batches(c.stages[0].data, (4,))).compile()
+  text = compiled.as_text()
+  out.setdefault("collective_lines", {{}})[name] = collective_lines({{"train step": compiled}})
   out.setdefault("collectives", {{}})[name] = [m.groups() for m in (re.search(
       r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all)\\(", l)
       for l in text.splitlines()) if m]
@@ -195,6 +197,16 @@ def test_no_weight_is_gathered_under_tensor_parallel(runs):
   got = runs["collectives"]["tensor:4"]
   gathers = [t for t, kind in got if kind == "all-gather" and t.startswith("f32")]
   assert gathers == []
+
+
+def test_the_plan_lists_the_collectives_with_their_bytes(runs):
+  lines = runs["collective_lines"]["tensor:4"]
+  kinds = {x.split()[2]: x.split() for x in lines}
+  count = sum(kind == "all-reduce" for _, kind in runs["collectives"]["tensor:4"])
+  assert kinds["all-reduce"][3] == f"×{count}" and count >= 4, lines
+  assert float(kinds["all-reduce"][4]) > 0 and kinds["all-reduce"][5] in ("B", "KiB"), lines
+  moe = {x.split()[2] for x in runs["collective_lines"]["expert:4"]}
+  assert "all-to-all" in moe
 
 
 def test_the_rules_find_megatrons_pairs_and_the_vocabulary():

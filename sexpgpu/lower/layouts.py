@@ -397,3 +397,28 @@ def spec_text(spec) -> str:
     return "replicated"
   return "(" + ", ".join("·" if a is None else (a if isinstance(a, str) else "+".join(a))
                          for a in parts) + ")"
+
+
+# --- the collectives of a compiled step ----------------------------------------------------
+_COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(-start)?\(")
+_ARRAY = re.compile(r"(pred|[su]8|[su]16|[su]32|[su]64|bf16|f16|f32|f64)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def collectives(hlo: str) -> list[tuple[str, int]]:
+  """(kind, bytes of its result) of each collective in a compiled module's text; an async
+  all-gather's result is its pair (operand, gathered), of which the gathered counts. A
+  loop's body counts once, as in XLA's cost analysis."""
+  out = []
+  for line in hlo.splitlines():
+    m = _COLLECTIVE.search(line)
+    if not m:
+      continue
+    arrays = [_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+              for t, dims in _ARRAY.findall(m.group(1))]
+    if m.group(3) and m.group(2) == "all-gather":
+      arrays = arrays[len(arrays) // 2:]
+    out.append((m.group(2), sum(arrays)))
+  return out

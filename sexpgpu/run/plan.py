@@ -368,6 +368,20 @@ def spec_lines(training, stage: int = 0) -> list[str]:
   return [f"    {path:<{w}}  {spec_text(s)}" for path, s in specs.items()]
 
 
+def collective_lines(executables: Mapping[str, Any]) -> list[str]:
+  """`check --print plan`'s lines of each executable's collectives: count and bytes by kind
+  (`    train step  all-reduce ×7 112.0 KiB`; a loop's body once)."""
+  from sexpgpu.lower.layouts import collectives
+  lines = []
+  for name, compiled in executables.items():
+    kinds: dict[str, list[int]] = {}
+    for kind, size in collectives(compiled.as_text()):
+      kinds.setdefault(kind, []).append(size)
+    lines += [f"    {name:<13} {kind} ×{len(v)} {mem.human(sum(v))}"
+              for kind, v in sorted(kinds.items())]
+  return lines
+
+
 def sharding_hint(training, plan: mem.Plan, state) -> list[str]:
   """`--set sharding=fsdp (about X a device)` when sharding the state would make it fit.
 
