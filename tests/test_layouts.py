@@ -1,6 +1,7 @@
-"""`:sharding` as a mesh (tensor:4, fsdp:2,tensor:2) over 4 XLA host devices: replicate's
-losses, bitwise run to run, each device's share of each split parameter, the pairs the
-split rules find, and the E-codes of a mesh that does not fit."""
+"""`:sharding` as a mesh (tensor:4, fsdp:2,tensor:2, expert:4) over 4 XLA host devices:
+replicate's losses, bitwise run to run, each device's share of each split parameter, the
+collectives of the compiled step, a resume into another layout, the pairs the split rules
+find, and the E-codes of a mesh that does not fit."""
 
 import json
 import os
@@ -25,8 +26,9 @@ def _env(n):
   return e
 
 
-# One process, 4 host devices: 10 steps of replicate and of each layout twice, each
-# device's share of the state, and the plan's lines of specs.
+# One process, 4 host devices: 10 steps of replicate and of each layout twice (tiny-lm,
+# moe-lm's expert:4, a 5-layer tiny-lm), a resume from tensor:4 into fsdp:4, each device's
+# share of the state, the compiled step's collectives, and the plan's lines.
 _RUNS = """
 import json, re, sys, time
 import jax
