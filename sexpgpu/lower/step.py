@@ -40,9 +40,11 @@ def _once_computed(flag, tree):
   """`flag`, as a value XLA computes only after every leaf of `tree`.
 
   (bits | 1) != 0 holds for any bits, so the flag is unchanged; XLA cannot prove that,
-  so the flag depends on one element of each leaf.
+  so the flag depends on one element of each leaf: the first, indexed, not read through
+  `ravel()`, whose reshape made XLA gather every whole sharded parameter at each update.
   """
-  deps = [jax.lax.bitcast_convert_type(leaf.ravel()[0].astype(jnp.float32), jnp.uint32) | 1
+  deps = [jax.lax.bitcast_convert_type(leaf[(0,) * leaf.ndim].astype(jnp.float32),
+                                       jnp.uint32) | 1
           for leaf in jax.tree_util.tree_leaves(tree) if leaf.size]
   return flag & jnp.all(jnp.stack(deps) != 0) if deps else flag
 

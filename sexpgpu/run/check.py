@@ -126,6 +126,8 @@ def lowered_text(c, what: str, device_kind: str) -> str:
     whole = training.replicated()
     lines.append(f"  sharding    {training.sharding} over {training.split_over()}; replicated: "
                  + (", ".join(whole) if whole else "none"))
+    lines += ["  specs"] + plan.spec_lines(training)  # each split parameter's PartitionSpec
+    lines += ["  collectives"] + plan.collective_lines(choice.executables)
   lines.append(f"  stacking    {choice.text}")
   for d, total in sorted(choice.totals.items(), reverse=True):
     pred = choice.predicted.get(d)

@@ -17,8 +17,10 @@ def gaps() -> list[str]:
   from sexpgpu.ir.ops import OPS
   from sexpgpu.lower.flops import FLOPS
   from sexpgpu.models.decode_rules import DECODE
+  from sexpgpu.lower.layouts import SPLIT
   tables = {"flops (sexpgpu/lower/flops.py)": FLOPS,
-            "decode (sexpgpu/models/decode_rules.py)": DECODE}
+            "decode (sexpgpu/models/decode_rules.py)": DECODE,
+            "split (sexpgpu/lower/layouts.py)": SPLIT}
   out = []
   for name, op in sorted(OPS.items()):
     if name not in BUILTINS and name not in MADE_BY and op.source is None:
