@@ -90,8 +90,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   training = setup.build_training(c, place, nodes_cfg, rdv, resume_dir, progress)
   saver = Saver(store, c, training, progress, metrics, rdv)
   with saver, signals.deferred() as sig, setup.retries_noted(metrics):
-    samplers = Samplers(c)  # a defsample's prompts checked before anything is initialized
-    evaluators = Evaluators(c)  # and a defeval's tasks read, tokenized and laid out
+    samplers, evaluators = Samplers(c), Evaluators(c)  # their errors before any initializer
     # --- plan: every step compiled for abstract values; nothing initialized before it fits
     choice = _plan(c, o, training, resume_dir, store is not None, progress, metrics, log)
 
