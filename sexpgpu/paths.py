@@ -144,6 +144,17 @@ def scrub(text: str) -> str:
   return text
 
 
+def scrubbed(value):
+  """`value` (strings, dicts, lists, tuples) with every string in it scrubbed (`scrub`)."""
+  if isinstance(value, str):
+    return scrub(value)
+  if isinstance(value, dict):
+    return {k: scrubbed(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [scrubbed(v) for v in value]
+  return value
+
+
 def redact(uri: str) -> str:
   """A URI without its `user:secret@` and its query (signed-URL keys): the location alone,
   for messages and cache keys. Its credentials are remembered as `scrub` remembers them, so

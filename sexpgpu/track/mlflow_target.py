@@ -6,11 +6,10 @@ import contextlib
 import logging
 import os
 import re
-import warnings
 from typing import Any, Iterator
 
 from sexpgpu.track.events import scalars, texts
-from sexpgpu.track.targets import TargetError, ensure_dir
+from sexpgpu.track.targets import TargetError, ensure_dir, quiet_warnings
 
 INSTALL_FIX = "pip install sexpgpu[mlflow]"
 _URI_FIX = ("give a tracking URI MLflow can use: mlflow:sqlite:///PATH.db, "
@@ -38,7 +37,7 @@ class MlflowTarget:
     self._step = 0
     self._status = "FAILED"
     client_class = _import_client()
-    with _quiet(), _store_errors(uri):
+    with quiet_warnings(), _store_errors(uri):
       self._client = client_class(tracking_uri=_prepare(uri))
       experiment = _experiment(self._client, slug)
       run = self._client.create_run(experiment, run_name=slug,
@@ -49,7 +48,7 @@ class MlflowTarget:
     """Logs the event's params, metrics and tags to the run."""
     if isinstance(event.get("step"), int):
       self._step = event["step"]
-    with _quiet(), _store_errors(self.location):
+    with quiet_warnings(), _store_errors(self.location):
       if event["kind"] == "config":
         self._log_config(event)
       elif event["kind"] == "summary":
@@ -60,7 +59,7 @@ class MlflowTarget:
 
   def close(self) -> None:
     """Ends the run with its status."""
-    with _quiet(), _store_errors(self.location):
+    with quiet_warnings(), _store_errors(self.location):
       self._client.set_terminated(self.run_id, self._status)
 
   def _log_scalars(self, event: dict) -> None:
@@ -106,8 +105,7 @@ def _import_client():
   for name, value in HTTP_DEFAULTS.items():
     os.environ.setdefault(name, value)
   try:
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
+    with quiet_warnings():
       from mlflow.tracking import MlflowClient
   except ImportError as e:
     raise TargetError("the mlflow target needs MLflow, which is not installed",
@@ -146,14 +144,6 @@ def _experiment(client, slug: str) -> str:
     if found is None:
       raise
     return found.experiment_id
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-  """Keeps MLflow's warnings off standard error."""
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    yield
 
 
 @contextlib.contextmanager

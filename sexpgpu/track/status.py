@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from sexpgpu.errors import SxError
-from sexpgpu.paths import scrub, write_atomic
+from sexpgpu.paths import scrub, scrubbed, write_atomic
 from sexpgpu.track.events import to_json
 from sexpgpu.track.targets import ensure_dir, os_reason
 
@@ -59,7 +59,7 @@ class StatusFile:
     if self.path is None:
       return
     try:
-      _replace(self.path, json.dumps(_scrubbed(self.last), default=to_json))
+      _replace(self.path, json.dumps(scrubbed(self.last), default=to_json))
     except OSError as e:
       raise SxError("E-METRICS-001",
                     f"cannot write status file {scrub(self.path)}: {scrub(os_reason(e))}",
@@ -100,17 +100,6 @@ class StatusFile:
     self.update(**fields)
     self._written_at = now
     return True
-
-
-def _scrubbed(value: Any) -> Any:
-  """`value` with every string in it scrubbed of credentials (paths.scrub)."""
-  if isinstance(value, str):
-    return scrub(value)
-  if isinstance(value, dict):
-    return {k: _scrubbed(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_scrubbed(v) for v in value]
-  return value
 
 
 def read_status(path: str) -> dict:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from typing import Protocol
+import warnings
+from typing import Iterator, Protocol
 
 
 class TargetError(Exception):
@@ -47,3 +49,11 @@ def ensure_dir(directory: str) -> None:
   except FileExistsError as e:
     raise NotADirectoryError(errno.ENOTDIR, "Not a directory",
                              e.filename) from e
+
+
+@contextlib.contextmanager
+def quiet_warnings() -> Iterator[None]:
+  """Keeps a tracker library's Python warnings off standard error."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    yield

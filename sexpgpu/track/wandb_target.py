@@ -7,12 +7,11 @@ import hashlib
 import os
 import re
 import signal
-import warnings
 from typing import Any, Iterator
 
-from sexpgpu.paths import scrub
+from sexpgpu.paths import scrub, scrubbed
 from sexpgpu.track.events import scalars, texts
-from sexpgpu.track.targets import TargetError
+from sexpgpu.track.targets import TargetError, quiet_warnings
 
 INSTALL_FIX = "pip install 'sexpgpu[wandb]'"
 _SPEC_FIX = ("write wandb:PROJECT or wandb:PROJECT/RUN: a project name without any of "
@@ -81,7 +80,7 @@ class WandbTarget:
     self._exit_code = FAILED
     self._tables: dict[str, Any] = {}
     wandb = _import_wandb()
-    with _quiet(), _wandb_errors(self.project):
+    with quiet_warnings(), _wandb_errors(self.project):
       self._run = wandb.init(
           project=self.project, name=self.name, id=self.run_id, resume="allow",
           mode=_mode(wandb), dir=os.environ.get("WANDB_DIR") or None, reinit="create_new",
@@ -93,12 +92,12 @@ class WandbTarget:
   def write(self, event: dict) -> None:
     """Logs the event: its scalars at its step, its text as table rows, config, summary."""
     kind = event["kind"]
-    with _quiet(), _wandb_errors(self.project):
+    with quiet_warnings(), _wandb_errors(self.project):
       if kind == "config":
-        self._run.config.update(_scrubbed(config_of(event)), allow_val_change=True)
+        self._run.config.update(scrubbed(config_of(event)), allow_val_change=True)
         return
       if kind == "summary":
-        self._run.summary["sexpgpu"] = _scrubbed(
+        self._run.summary["sexpgpu"] = scrubbed(
             {k: v for k, v in event.items() if k not in _SUMMARY_SKIP})
         self._exit_code = exit_code(event.get("stopped_by"))
         return
@@ -121,7 +120,7 @@ class WandbTarget:
 
   def close(self) -> None:
     """Finishes the run with its exit code; what is offline stays in its folder."""
-    with _quiet(), _wandb_errors(self.project):
+    with quiet_warnings(), _wandb_errors(self.project):
       self._run.finish(exit_code=self._exit_code)
 
   def _place(self, event: dict) -> tuple[int, bool]:
@@ -213,18 +212,6 @@ def config_of(event: dict) -> dict:
   return {**values, "sexpgpu": {**meta, "sources": sources}}
 
 
-def _scrubbed(value: Any) -> Any:
-  """The value with every string in it scrubbed: a URI's credentials (a checkpoint location,
-  an :init-from) never reach a W&B server."""
-  if isinstance(value, str):
-    return scrub(value)
-  if isinstance(value, dict):
-    return {k: _scrubbed(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_scrubbed(v) for v in value]
-  return value
-
-
 def exit_code(stopped_by: str | None) -> int:
   """The exit code the W&B run finishes with.
 
@@ -248,8 +235,7 @@ def _import_wandb():
   # W&B prints its banner, login and sync lines unless silent; a user's own WANDB_SILENT wins.
   os.environ.setdefault("WANDB_SILENT", "true")
   try:
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
+    with quiet_warnings():
       import wandb
   except ImportError as e:
     raise TargetError("the wandb target needs wandb, which is not installed", INSTALL_FIX) from e
@@ -279,14 +265,6 @@ def _mode(wandb) -> str:
   if asked:
     raise TargetError(f"WANDB_MODE={asked}, and W&B has no API key", _KEY_FIX)
   return "offline"
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-  """Keeps W&B's Python warnings off standard error."""
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    yield
 
 
 @contextlib.contextmanager
