@@ -250,7 +250,7 @@ def test_an_unknown_axis_is_an_error_naming_the_axes():
 
 
 def test_a_mesh_of_another_device_count_is_an_error():
-  from sexpgpu.lower.layouts import check_devices
+  from sexpgpu.lang.mesh import check_devices
   e = _error(lambda: check_devices("fsdp:2,tensor:4", 4))
   assert e.code == "E-KNOB-003" and "has 8 devices; the run has 4" in e.message
   assert e.where == "--set sharding=fsdp:2,tensor:4" and "tensor:4" in e.fix

@@ -11,7 +11,7 @@ from typing import Any
 
 from sexpgpu.env import get as env_get
 from sexpgpu.errors import SxError, did_you_mean
-from sexpgpu.lower.layouts import is_mesh, parse_mesh
+from sexpgpu.lang.mesh import is_mesh, parse_mesh
 from sexpgpu.lang.program import KnobDecl, Program, literal_value, split_keywords
 from sexpgpu.reader import Atom, Keyword, Symbol
 from sexpgpu.reader.read import INT_LIMIT, is_int_literal, parse_int, shown

@@ -18,7 +18,8 @@ from sexpgpu.ir.shapes import np_dtype
 from sexpgpu.lower.init import init_params
 from sexpgpu.lower.optim import make_optimizer
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
-from sexpgpu.lower.layouts import check_devices, find_pairs, is_mesh, make_mesh, param_specs
+from sexpgpu.lang.mesh import check_devices, is_mesh
+from sexpgpu.lower.layouts import find_pairs, make_mesh, param_specs
 from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
 
 

@@ -1,0 +1,61 @@
+"""A mesh of named axes as `:sharding` writes it (`fsdp:2,tensor:2`), parsed and checked
+against the run's devices; the layouts themselves are sexpgpu/lower/layouts.py's."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from sexpgpu.errors import SxError
+
+AXES = ("data", "fsdp", "tensor", "expert")
+_MESH = re.compile(r"[a-z]+:\d+(,[a-z]+:\d+)*")
+
+
+def is_mesh(text: str) -> bool:
+  """Whether `text` is written as a mesh (`tensor:4`, `fsdp:2,tensor:2`)."""
+  return bool(_MESH.fullmatch(str(text)))
+
+
+def parse_mesh(text: str, where: str | None = None, loc=None) -> tuple[tuple[str, int], ...]:
+  """The mesh's (axis, size) pairs in the order written.
+
+  Raises:
+    SxError: E-KNOB-003 naming an unknown or repeated axis, or a size below 1.
+  """
+  out: list[tuple[str, int]] = []
+  for part in str(text).split(","):
+    name, size = part.split(":")
+    if name not in AXES:
+      raise SxError("E-KNOB-003", f"`{name}` in :sharding {text} is not a mesh axis",
+                    where=where, location=loc,
+                    fix="write axes among " + ", ".join(AXES) + ", like fsdp:2,tensor:2")
+    if any(n == name for n, _ in out):
+      raise SxError("E-KNOB-003", f"axis `{name}` appears twice in :sharding {text}",
+                    where=where, location=loc, fix="write each axis once")
+    if int(size) < 1:
+      raise SxError("E-KNOB-003", f"axis `{name}` has size {size} in :sharding {text}",
+                    where=where, location=loc, fix="give each axis a size of 1 or more")
+    out.append((name, int(size)))
+  return tuple(out)
+
+
+def check_devices(text: str, devices: int, nodes: int = 1) -> tuple[tuple[str, int], ...]:
+  """The mesh of `text`, checked against the run's devices.
+
+  Raises:
+    SxError: E-KNOB-003 when its product is not the device count (naming the sizes that
+      are), or over several nodes (not built yet).
+  """
+  mesh = parse_mesh(text, where=f"--set sharding={text}")
+  product = math.prod(s for _, s in mesh)
+  if nodes > 1:
+    raise SxError("E-KNOB-003", f":sharding {text} is a mesh; over {nodes} nodes only "
+                  "fsdp and hsdp are built", where=f"--set sharding={text}",
+                  fix="use --set sharding=fsdp or hsdp over nodes, or a mesh on one node")
+  if product != devices:
+    raise SxError("E-KNOB-003", f"the mesh {text} has {product} devices; the run has "
+                  f"{devices}", where=f"--set sharding={text}",
+                  fix=f"write axes whose sizes multiply to {devices}, like "
+                  f"tensor:{devices} or fsdp:{devices}")
+  return mesh
