@@ -6,9 +6,9 @@ import os
 import random
 import signal
 import subprocess
-import time
 
 from conftest import ROOT, sexpgpu_cmd
+from stopping import stop_at
 
 EXP = os.path.join(ROOT, "configs", "mlm.sx")
 ARGS = ("--variant", "smoke", "--steps", "12", "--set", "batch-size=8", "--set", "seq=16",
@@ -35,17 +35,13 @@ def test_a_masked_lm_stopped_at_a_random_step_resumes_bitwise(tmp_path):
   assert p.returncode == 0, err
   runs.append(json.loads(out))
   k = random.Random(os.getpid()).randint(3, 9)
-  stopped = tmp_path / "stopped"
-  stopped.mkdir()
-  p = _run(stopped)
-  deadline = time.time() + 300
-  while time.time() < deadline and p.poll() is None:
-    metrics = stopped / "m.jsonl"
-    if metrics.exists() and any(s >= k for s in _losses(stopped)):
-      break
-    time.sleep(0.005)
-  p.send_signal(signal.SIGTERM)
-  out, err = p.communicate(timeout=300)
+
+  def start(attempt):
+    folder = tmp_path / f"stopped{attempt}"
+    folder.mkdir()
+    return _run(folder), folder / "m.jsonl"
+  p, out, err, metrics = stop_at(start, k, signal.SIGTERM)
+  stopped = metrics.parent
   assert p.returncode == 143, err
   r = _run(stopped, "--resume", "latest")
   out, err = r.communicate(timeout=600)

@@ -14,6 +14,7 @@ import pytest
 
 import sexpgpu
 from conftest import ROOT, sexpgpu_cmd
+from stopping import stop_at
 
 EXP = os.path.join(ROOT, "tests", "data", "curriculum.sx")
 
@@ -52,25 +53,12 @@ def full(tmp_path_factory):
   return tmp, json.loads(out)
 
 
-def _stop_at(tmp, k, sig, tries=3):
-  """A run sent `sig` once its metrics show step k: frozen (SIGSTOP) the moment step k is
-  seen, signalled, then let go. Its 60 steps take under a second, so on a loaded machine
-  it can still end before this process sees step k: then it is run again."""
-  for attempt in range(tries):
-    metrics = tmp / f"m{attempt}.jsonl"
-    p = _start(tmp, metrics)
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-      if metrics.exists() and any(e.get("step", 0) >= k for e in _events(metrics, "step")):
-        p.send_signal(signal.SIGSTOP)
-        break
-      time.sleep(0.005)
-    p.send_signal(sig)
-    p.send_signal(signal.SIGCONT)
-    out, err = p.communicate(timeout=300)
-    if p.returncode != 0 or attempt == tries - 1:  # 0: it ended before the signal
-      return p, out, err, metrics
+def _stop_at(tmp, k, sig):
+  def start(attempt):
     shutil.rmtree(tmp / "ck", ignore_errors=True)
+    metrics = tmp / f"m{attempt}.jsonl"
+    return _start(tmp, metrics), metrics
+  return stop_at(start, k, sig)
 
 
 @pytest.mark.parametrize("k,sig,code", [(2, signal.SIGTERM, 143), (12, signal.SIGINT, 130),

@@ -10,6 +10,7 @@ import time
 import pytest
 import s3fs
 
+from stopping import stop_at
 from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.ckpt import remote
 from s3server import KillableProxy, make_bucket, s3_env
@@ -51,24 +52,21 @@ def test_sigterm_then_resume_latest_on_s3_is_exact(moto, tmp_path):
   full = _run(["--checkpoint-dir", "s3://runs/full", "--metrics", f"jsonl:{full_m}", "--json"],
               moto)
   assert full.returncode == 0, full.stderr
-  m = tmp_path / "m.jsonl"
-  p = subprocess.Popen(sexpgpu_cmd("run", EXP, "--checkpoint-dir", "s3://runs/stop", "--metrics",
-                                   f"jsonl:{m}", "--json", "--status", str(tmp_path / "s.json")),
-                       cwd=ROOT, env=_env(moto), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True)
-  deadline = time.time() + 300
-  while time.time() < deadline and p.poll() is None:
-    if m.exists() and any(s >= 9 for s in _steps(m)):
-      break
-    time.sleep(0.005)
-  p.send_signal(signal.SIGTERM)
-  out, err = p.communicate(timeout=300)
+
+  def start(attempt):
+    m = tmp_path / f"m{attempt}.jsonl"
+    return subprocess.Popen(
+        sexpgpu_cmd("run", EXP, "--checkpoint-dir", f"s3://runs/stop{attempt}", "--metrics",
+                    f"jsonl:{m}", "--json", "--status", str(tmp_path / "s.json")),
+        cwd=ROOT, env=_env(moto), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), m
+  p, out, err, m = stop_at(start, 9, signal.SIGTERM)
+  where = f"s3://runs/stop{m.stem[1:]}"
   assert p.returncode == 143, err
   stopped = json.loads(out)
   assert stopped["stopped_by"] == "SIGTERM"
-  assert stopped["checkpoint"].startswith("s3://runs/stop/curriculum/")
+  assert stopped["checkpoint"].startswith(f"{where}/curriculum/")
   assert json.load(open(tmp_path / "s.json"))["state"] == "stopped"
-  r = _run(["--checkpoint-dir", "s3://runs/stop", "--metrics", f"jsonl:{m}", "--json",
+  r = _run(["--checkpoint-dir", where, "--metrics", f"jsonl:{m}", "--json",
             "--resume", "latest"], moto)
   assert r.returncode == 0, r.stderr
   assert f"resume latest={stopped['checkpoint']}" in r.stderr

@@ -6,12 +6,12 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from stopping import stop_at
 from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.data import make_loader
 from sexpgpu.data.spec import LoaderSpec
@@ -263,15 +263,12 @@ def test_sigterm_then_resume_over_text_is_bitwise(text_exp):
   assert full.returncode == 0, err
   full_summary = json.loads(out)
   k = int(np.random.default_rng().integers(2, 9))
-  p = _run(text_exp, "cut")
-  metrics = text_exp / "cut.jsonl"
-  deadline = time.time() + 300
-  while time.time() < deadline and p.poll() is None:
-    if metrics.exists() and any(s >= k for s in _losses(metrics)):
-      break
-    time.sleep(0.005)
-  p.send_signal(signal.SIGTERM)
-  out, err = p.communicate(timeout=300)
+
+  def start(attempt):
+    shutil.rmtree(text_exp / "ck-cut", ignore_errors=True)
+    (text_exp / "cut.jsonl").unlink(missing_ok=True)
+    return _run(text_exp, "cut"), text_exp / "cut.jsonl"
+  p, out, err, metrics = stop_at(start, k, signal.SIGTERM)
   assert p.returncode == 143, err
   assert json.loads(out)["steps"] < 12
   r = _run(text_exp, "cut", "--resume", "latest")
