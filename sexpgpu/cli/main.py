@@ -71,6 +71,10 @@ def _check_flags() -> flags.FlagValues:
                       "report what a run there would use", flag_values=fv)
   flags.DEFINE_string("gpu", None, "with --target cuda: a roofline estimate for A100, H100, "
                       "H200, L4, L40S or B200", flag_values=fv)
+  flags.DEFINE_integer("devices", None, "with --target cuda: plan a run on this many GPUs "
+                       "on paper (the layout, memory, collectives, MFU)", flag_values=fv)
+  flags.DEFINE_integer("nodes", None, "with --devices: the nodes they span (default 1)",
+                       flag_values=fv)
   return fv
 
 
@@ -304,7 +308,8 @@ def cmd_check(argv: list[str]) -> int:
   sets = _sets(fv.set)
   text = guarded(path, fv.variant, sets, overrides, fv.diagnostics,
                          lambda: check(path, fv.variant, sets, fv.diagnostics, fv.print, device,
-                                       overrides, fv.fn, fv.target, fv.gpu))
+                                       overrides, fv.fn, fv.target, fv.gpu,
+                                       fv.devices, fv.nodes))
   output.write(sys.stdout, text)
   return 0
 

@@ -9,21 +9,30 @@ import re
 from sexpgpu.errors import SxError
 
 AXES = ("data", "fsdp", "tensor", "expert")
+AUTO = "auto"  # the plan chooses the mesh (sexpgpu/run/layout_plan.py)
 _MESH = re.compile(r"[a-z]+:\d+(,[a-z]+:\d+)*")
 
 
+def is_auto(text: str) -> bool:
+  """Whether `:sharding` is `auto`: a mesh the plan chooses before the steps are built."""
+  return str(text) == AUTO
+
+
 def is_mesh(text: str) -> bool:
-  """Whether `text` is written as a mesh (`tensor:4`, `fsdp:2,tensor:2`)."""
-  return bool(_MESH.fullmatch(str(text)))
+  """Whether `text` is written as a mesh (`tensor:4`, `fsdp:2,tensor:2`) or is `auto`, the
+  mesh the plan chooses."""
+  return bool(_MESH.fullmatch(str(text))) or is_auto(text)
 
 
 def parse_mesh(text: str, where: str | None = None, loc=None) -> tuple[tuple[str, int], ...]:
-  """The mesh's (axis, size) pairs in the order written.
+  """The mesh's (axis, size) pairs in the order written (none for `auto`).
 
   Raises:
     SxError: E-KNOB-003 naming an unknown or repeated axis, or a size below 1.
   """
   out: list[tuple[str, int]] = []
+  if is_auto(text):  # chosen later, on the run's devices: no axis yet
+    return ()
   for part in str(text).split(","):
     name, size = part.split(":")
     if name not in AXES:
@@ -47,6 +56,12 @@ def check_devices(text: str, devices: int, nodes: int = 1) -> tuple[tuple[str, i
     SxError: E-KNOB-003 when its product is not the device count (naming the sizes that
       are), or over several nodes (not built yet).
   """
+  if is_auto(text):
+    raise SxError("E-KNOB-003", ":sharding auto reached the steps unchosen: this path builds "
+                  "a run's steps without the layout plan", where="--set sharding=auto",
+                  fix="choose a layout (--set sharding=fsdp, or a mesh like fsdp:2,tensor:2); "
+                  "`sexpgpu check FILE --print plan --set sharding=auto` prints the plan's "
+                  "choice")
   mesh = parse_mesh(text, where=f"--set sharding={text}")
   product = math.prod(s for _, s in mesh)
   if nodes > 1:

@@ -11,18 +11,24 @@ from sexpgpu.run.compile import compile_file
 
 def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None = None,
           device: str = "cpu", overrides: dict | None = None, fn: str | None = None,
-          target: str | None = None, gpu: str | None = None) -> str:
+          target: str | None = None, gpu: str | None = None, devices: int | None = None,
+          nodes: int | None = None) -> str:
   """The text `sexpgpu check` prints: a summary, or knobs / params / ir / jaxpr / hlo / plan
   / decode (how `sample` decodes `fn`, by default the one function of tokens to logits).
 
   With `target="cuda"` the summary (and `hlo`, `plan`) is the run's steps lowered for
   CUDA on this machine, reported as a CUDA run reports them (`run.cuda_check`); `gpu`
-  names a card for a roofline estimate.
+  names a card for a roofline estimate; `devices` (and `nodes`) plan a run of that many
+  GPUs on paper (run.layout_plan).
   """
-  if target is not None or gpu is not None:
-    from sexpgpu.run.cuda_check import check_target
+  if target is not None or gpu is not None or devices is not None or nodes is not None:
+    from sexpgpu.run.cuda_check import check_paper, check_target
     check_target(target or "cuda", gpu)
+    check_paper(target, devices, nodes)
   c = compile_file(path, variant, sets, overrides, diagnostics)
+  if devices is not None:
+    from sexpgpu.run.cuda_check import paper_text
+    return paper_text(c, gpu, devices, nodes or 1)
   _stacking_divides(c)
   if (target is not None or gpu is not None) and what in (None, "hlo", "plan"):
     from sexpgpu.run.cuda_check import cuda_text
@@ -111,6 +117,9 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   place = open_devices(device_kind, parse_device_list(env.get("SEXPGPU_DEVICES")))
   microbatches_divide(k, place.ranks)
   # The run's own wiring: the same steps, pass steps and state that `run` plans.
+  # `:sharding auto` is chosen here as `run` chooses it, before the steps are built
+  from sexpgpu.run.layout_plan import resolve
+  layout = resolve(c, place, cache_dir())
   training = build(c, place)
   state = training.abstract_state()
   batches = training.abstract_batches(c.stages[0].data, (k,))
@@ -122,6 +131,8 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   lines = [f"plan: {c.slug} on {place.first.platform}{ranks}",
            f"  memory      {choice.plan.text()} (peak in {choice.plan.peak_at})"]
   lines += [f"    {name:<26} {_bytes(v)}" for name, v in choice.plan.parts.items()]
+  if layout is not None:
+    lines += layout.lines()
   if training.sharding != "replicate":
     whole = training.replicated()
     lines.append(f"  sharding    {training.sharding} over {training.split_over()}; replicated: "

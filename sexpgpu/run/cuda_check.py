@@ -43,6 +43,33 @@ def check_target(target: str, gpu: str | None) -> None:
                   where="--gpu", fix="--gpu " + "|".join(GPUS))
 
 
+def check_paper(target: str | None, devices: int | None, nodes: int | None) -> None:
+  """Raises E-FORM-001 for --devices or --nodes without --target cuda, below 1, or nodes that
+  do not divide the devices."""
+  if devices is None and nodes is None:
+    return
+  if target is None:
+    raise SxError("E-FORM-001", "--devices and --nodes plan a run on paper for a target",
+                  where="--devices", fix="add --target cuda --gpu H100")
+  if devices is None:
+    raise SxError("E-FORM-001", "--nodes needs --devices", where="--nodes",
+                  fix="--devices 64 --nodes 8")
+  if devices < 1 or (nodes is not None and (nodes < 1 or devices % nodes)):
+    raise SxError("E-FORM-001", f"--devices {devices} --nodes {nodes} is not a machine",
+                  where="--devices", fix="at least one device, and nodes that divide the "
+                  "devices: --devices 64 --nodes 8")
+
+
+def paper_text(c, gpu: str | None, devices: int, nodes: int) -> str:
+  """The plan of a run on `devices` GPUs (`--gpu`, H100 unless named) over `nodes` nodes."""
+  from sexpgpu.run import layout_plan
+  gpu = (gpu or "H100").upper()
+  if gpu not in ("A100", "H100", "H200", "B200"):
+    raise SxError("E-FORM-001", f"--gpu {gpu} has no link figures in the plan's table",
+                  where="--gpu", fix="--gpu A100|H100|H200|B200 with --devices")
+  return layout_plan.paper_text(c, layout_plan.paper(c, gpu, devices, nodes), gpu)
+
+
 def _line(label: str, value: str) -> str:
   return f"  {label:<{LABEL}}{value}"
 
@@ -142,6 +169,13 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
   k = int(run["microbatches"])
   place = open_devices("cpu", parse_device_list(env.get("SEXPGPU_DEVICES")))
   microbatches_divide(k, place.ranks)
+  layout = None
+  if str(run.get("sharding", "")) == "auto":  # chosen on paper for these ranks as GPUs
+    from sexpgpu.reader.forms import Symbol
+    from sexpgpu.run import layout_plan
+    layout = layout_plan.paper(c, (gpu or "H100").upper() if (gpu or "H100").upper() in
+                               ("A100", "H100", "H200", "B200") else "H100", place.ranks, 1)
+    run["sharding"] = Symbol(layout.chosen.text)
   training = build(c, place)
   state = training.abstract_state()
   batches = training.abstract_batches(c.stages[0].data, (k,))
@@ -159,6 +193,8 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
   lines = [f"target: cuda, {ranks} ({training.sharding}), {training.precision}; "
            f"{cudnn_source()}",
            f"train step (K={k}, lowered, not compiled):"]
+  if layout is not None:
+    lines[1:1] = layout.lines()
   lines += _step_lines(c, text, notes)
   flops = train_flops(c.stages[0].graph, k)
   lines.append(_line("flops", f"{flops:.3g} a step (the graph's count: forward and backward)"))

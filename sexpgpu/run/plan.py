@@ -325,6 +325,25 @@ class ChoiceCache:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write_json(self.path, data)
 
+  # `:sharding auto`'s choices (run/layout_plan.py) live in the same file, under their own
+  # key, with the layout model's version.
+  def layout(self, fingerprint: str, device: str, model: int) -> str | None:
+    """The remembered layout (`tensor:4`, `replicate`) of `:sharding auto`, or None."""
+    e = _read_json(self.path).get(self.key(fingerprint, device) + "|layout")
+    if not isinstance(e, dict) or e.get("model") != model or not isinstance(e.get("layout"),
+                                                                           str):
+      return None
+    return e["layout"]
+
+  def put_layout(self, fingerprint: str, device: str, layout: str, model: int,
+                 measured: Mapping[str, float] | None = None) -> None:
+    """Remembers `:sharding auto`'s choice, with the seconds measured of each timed layout."""
+    data = _read_json(self.path)
+    data[self.key(fingerprint, device) + "|layout"] = {
+        "layout": layout, "model": model, "measured_s": dict(measured or {}),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write_json(self.path, data)
+
 
 # --- planning -------------------------------------------------------------------------------
 
