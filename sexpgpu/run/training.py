@@ -54,7 +54,12 @@ class Training:
     # a mesh of named axes (lower/layouts.py), checked against the devices here
     self.mesh = None
     if is_mesh(run.get("sharding", "")) and self.place is not None:
-      self.mesh = check_devices(str(run["sharding"]), self.place.ranks, self.place.nodes)
+      # over nodes the devices are in node-major order (open_devices), so the axes written
+      # first span the nodes (`fsdp:2,tensor:2` on 2 nodes of 2: fsdp across, tensor within)
+      self.mesh = check_devices(str(run["sharding"]), self.place.ranks)
+      # the partitioner places a mesh's collectives, in f32; the bf16 sum between nodes with
+      # its carried error is fsdp's, hsdp's and replicate's (it needs a `node` axis)
+      self.node_gradients = "f32"
     self._steps: dict[tuple[int, int], TrainStep] = {}
 
   @property
