@@ -583,19 +583,20 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
   how = "model"
   # the memory plan, compiled, confirms the best candidates until two fit
   fitting = []
-  for cand in sorted((x for x in cands if not x.dropped), key=lambda x: x.time):
-    if len(fitting) == 2 and cand.text != remembered:
-      continue
+  known = [x for x in cands if x.text == remembered and not x.dropped]
+  for cand in known or sorted((x for x in cands if not x.dropped), key=lambda x: x.time):
+    if len(fitting) == 2:  # the best two that fit are what a measurement needs
+      break
     p, _ = _memory_plan(c, place, cand.text, cache_dir)
     cand.planned = p.plan.total
     if not p.plan.fits:
       cand.dropped = f"does not fit by the memory plan: {p.plan.text()}"
       continue
     fitting.append(cand)
-  best, close = pick(cands)
+  best, close = pick([x for x in cands if x in fitting or x.dropped])
   if best is None:
     raise _refuse(cands, "--set sharding=auto")
-  if remembered is not None and any(x.text == remembered and not x.dropped for x in cands):
+  if known and not known[0].dropped:
     best, how = next(x for x in cands if x.text == remembered and not x.dropped), "remembered"
   elif len([x for x in cands if not x.dropped]) == 1:
     how = "only"
