@@ -1,6 +1,7 @@
 """`:sharding` as a mesh (tensor:4, fsdp:2,tensor:2, expert:4) over 4 XLA host devices:
 replicate's losses, bitwise run to run, each device's share of each split parameter, the
-collectives of the compiled step, a resume into another layout, the pairs the split rules
+collectives of the compiled step (sequence parallel's reduce-scatters under tensor:4), a resume
+into another layout, the pairs the split rules
 find, and the E-codes of a mesh that does not fit."""
 
 import json
@@ -88,6 +89,16 @@ for path, name in [({path!r}, l) for l in {layouts!r}] + [({moe!r}, "expert:4")]
   out.setdefault("collectives", {{}})[name] = [m.groups() for m in (re.search(
       r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all)\\(", l)
       for l in text.splitlines()) if m]
+# tensor:4 without sequence parallel: the pairs' all-reduces it replaces
+c = compile_file({path!r}, "smoke", [("microbatches", "4"), ("sharding", "tensor:4")])
+training = build(c, open_devices("cpu", [0, 1, 2, 3]))
+training.sequence_parallel = False
+compiled = training.step(0, 1).lowered(
+    training.place_abstract(training.abstract_state()),
+    training.abstract_batches(c.stages[0].data, (4,))).compile()
+out["collectives"]["tensor:4 plain"] = [m.groups() for m in (re.search(
+    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all)\\(", l)
+    for l in compiled.as_text().splitlines()) if m]
 print(json.dumps(out))
 """
 
@@ -185,19 +196,41 @@ def test_a_resume_may_change_the_layout(runs):
 
 
 def test_the_step_sums_the_pairs_activations(runs):
-  """Megatron's all-reduces: of activations [ranks, batch, seq, width] (the ends of the
-  attention and MLP pairs, forward and backward), and of the vocabulary's log-sum-exp."""
-  got = runs["collectives"]["tensor:4"]
+  """Without sequence parallel, Megatron's all-reduces: of activations [ranks, batch, seq,
+  width] (the ends of the attention and MLP pairs, forward and backward), and of the
+  vocabulary's log-sum-exp."""
+  got = runs["collectives"]["tensor:4 plain"]
   reduces = {t.split("{")[0] for t, kind in got if kind == "all-reduce"}
   assert {"f32[4,4,16,32]", "f32[4,4,16]"} <= reduces, reduces
+  assert not [t for t, kind in got if kind == "reduce-scatter"]
+
+
+def test_sequence_parallel_turns_the_pairs_all_reduces_into_reduce_scatters(runs):
+  """tensor:4 (sequence parallel on): each pair's end reduce-scatters its sum onto a quarter
+  of the sequence [4,4,4,32] and each pair's start all-gathers it [4,4,16,32], forward and
+  backward (at least the 2 layers x 2 pairs; XLA merges the gathers of one value); the only
+  all-reduce of an activation left is the embedding's (a take of the vocabulary's shards),
+  where without it each pair's end all-reduces [4,4,16,32], forward and backward."""
+  got = runs["collectives"]["tensor:4"]
+  scatters = [t.split("{")[0] for t, kind in got if kind == "reduce-scatter"]
+  gathers = [t.split("{")[0] for t, kind in got if kind == "all-gather" and t.startswith("f32")]
+  reduces = [t.split("{")[0] for t, kind in got if kind == "all-reduce"]
+  assert scatters and set(scatters) == {"f32[4,4,4,32]"}, got
+  assert len(scatters) >= 4 and len(gathers) >= 4, got
+  assert reduces.count("f32[4,4,16,32]") == 1, reduces  # the embedding's rows
+  plain = [t for t, kind in runs["collectives"]["tensor:4 plain"] if kind == "all-reduce"
+           and t.startswith("f32[4,4,16,32]")]
+  assert len(plain) >= 4, plain
 
 
 def test_no_weight_is_gathered_under_tensor_parallel(runs):
-  """(lower/step.py's _once_computed read leaf.ravel()[0]: XLA gathered every whole
-  parameter to reshape it, at every update, under fsdp too.)"""
-  got = runs["collectives"]["tensor:4"]
-  gathers = [t for t, kind in got if kind == "all-gather" and t.startswith("f32")]
-  assert gathers == []
+  """Only activations are gathered (the sequence before each pair), never a weight.
+  (lower/step.py's _once_computed read leaf.ravel()[0]: XLA gathered every whole parameter
+  to reshape it, at every update, under fsdp too.)"""
+  for name in ("tensor:4", "tensor:4 plain"):
+    got = runs["collectives"][name]
+    gathers = {t.split("{")[0] for t, kind in got if kind == "all-gather" and t.startswith("f32")}
+    assert gathers <= {"f32[4,4,16,32]"}, (name, gathers)
 
 
 def test_the_plan_lists_the_collectives_with_their_bytes(runs):
@@ -205,6 +238,8 @@ def test_the_plan_lists_the_collectives_with_their_bytes(runs):
   kinds = {x.split()[2]: x.split() for x in lines}
   count = sum(kind == "all-reduce" for _, kind in runs["collectives"]["tensor:4"])
   assert kinds["all-reduce"][3] == f"×{count}" and count >= 4, lines
+  count = sum(kind == "reduce-scatter" for _, kind in runs["collectives"]["tensor:4"])
+  assert kinds["reduce-scatter"][3] == f"×{count}", lines
   assert float(kinds["all-reduce"][4]) > 0 and kinds["all-reduce"][5] in ("B", "KiB"), lines
   moe = {x.split()[2] for x in runs["collective_lines"]["expert:4"]}
   assert "all-to-all" in moe
@@ -254,8 +289,6 @@ def test_a_mesh_of_another_device_count_is_an_error():
   e = _error(lambda: check_devices("fsdp:2,tensor:4", 4))
   assert e.code == "E-KNOB-003" and "has 8 devices; the run has 4" in e.message
   assert e.where == "--set sharding=fsdp:2,tensor:4" and "tensor:4" in e.fix
-  e = _error(lambda: check_devices("tensor:2", 4, nodes=2))
-  assert e.code == "E-KNOB-003" and "over 2 nodes only fsdp and hsdp are built" in e.message
 
 
 def test_a_tensor_size_that_does_not_divide_the_heads_names_them_and_the_divisors():
@@ -286,3 +319,16 @@ def test_the_cli_refuses_a_mesh_of_another_device_count(tmp_path):
                      cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=300)
   assert p.returncode == 1 and "error[E-KNOB-003]" in p.stderr, p.stderr
   assert "the mesh tensor:2 has 2 devices; the run has 4" in p.stderr
+
+
+def test_check_prints_the_plans_reduce_scatters_under_tensor_parallel():
+  """`check --print plan` under tensor:4: sequence parallel's reduce-scatters and all-gathers
+  in the step's collectives."""
+  p = subprocess.run(sexpgpu_cmd("check", TINY, "--variant", "smoke", "--set", "microbatches=4",
+                                 "--set", "sharding=tensor:4", "--print", "plan"),
+                     cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr
+  lines = p.stdout.splitlines()
+  got = {x.split()[2]: x.split()[3] for x in lines[lines.index("  collectives") + 1:]
+         if x.startswith("    train step")}
+  assert int(got["reduce-scatter"][1:]) >= 4 and int(got["all-gather"][1:]) >= 4, p.stdout

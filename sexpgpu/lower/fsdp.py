@@ -40,7 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.lower.attention import under_rank_vmap
-from sexpgpu.lower.interp import NOT_HANDLED, arguments, run_graph
+from sexpgpu.lower.interp import (NOT_HANDLED, UNROLL_MAX, arguments, run_graph, run_layer,
+                                  split_params)
 from sexpgpu.lower.registry import lowering
 from sexpgpu.lower.layouts import DATA_AXES
 from sexpgpu.lower.step import TrainStep
@@ -97,6 +98,10 @@ class ShardedTrainStep(TrainStep):
   layout: dict | None = None
   # expert einsums' uids → where their tokens are held on `expert` (layouts.Pairs.dispatch)
   dispatch: dict = dataclasses.field(default_factory=dict)
+  # sequence parallel: the uids of the tensor pairs' ends and starts (layouts.Pairs)
+  ends: frozenset = frozenset()
+  starts: frozenset = frozenset()
+  inner: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     super().__post_init__()
@@ -126,35 +131,123 @@ class ShardedTrainStep(TrainStep):
     return spec_for(shape, self.n, self.over, self.stacks.get(path, 0))
 
   def _loss_and_grad(self, params, batch, step, index):
-    """A microbatch's loss and gradients; with expert weights split on `expert`, the tokens
-    an expert einsum reads and writes held on `expert` too. Left to itself the partitioner
-    gathers every whole expert weight to the tokens; held so, the dispatch and the combine
-    become all-to-alls (tests/test_layouts.py reads them in the compiled step). Not inside
-    a repeat's body (interp asks `rule` outside bodies only), nor with tap diagnostics:
-    there the partitioner chooses, with the same numbers."""
-    if not self.dispatch or any(d.kind == "tap" for d in self.diags):
+    """A microbatch's loss and gradients, with the layout's activations held where the
+    rules place them (`_rule`); with tap diagnostics the partitioner chooses, with the
+    same numbers."""
+    if not (self.dispatch or self.ends) or any(d.kind == "tap" for d in self.diags):
       return super()._loss_and_grad(params, batch, step, index)
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
     ctx = LowerCtx(self.precision, rng, True, self.notes, self.platform)
 
-    def on_expert(x, axis):
-      spec = [None] * x.ndim
-      spec[axis] = "expert"
-      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
-
-    def rule(node, env):
-      if node.uid not in self.dispatch:
-        return NOT_HANDLED
-      i, axis, out = self.dispatch[node.uid]
-      args = arguments(node, env)
-      args[i] = on_expert(args[i], axis)
-      return on_expert(lowering(node.op, ctx.platform)(ctx, *args, **dict(node.attrs)), out)
-
     def loss_fn(p):
-      return run_graph(self.graph, p, batch, ctx, None, rule)["out"].astype(jnp.float32)
+      return run_graph(self.graph, p, batch, ctx, None, self._rule(p, batch, ctx))["out"].astype(
+          jnp.float32)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     return loss, jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), {}
+
+  def _held(self, x, axis: int | None, name: str):
+    """`x` held split on `name` at `axis` (None: whole on every axis this rule names)."""
+    spec = [None] * x.ndim
+    if axis is not None:
+      spec[axis] = name
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+
+  def _rule(self, params, inputs, ctx):
+    """interp's per-node rule for the layout, asked inside repeats' bodies too:
+
+    - expert parallel: the tokens an expert einsum reads and writes held on `expert`. Left
+      to itself the partitioner gathers every whole expert weight to the tokens; held so,
+      the dispatch and the combine become all-to-alls (tests/test_layouts.py reads them);
+    - sequence parallel (Megatron's): a pair's end (a row half's matmul, the embedding's
+      take) gives its sum split on the sequence axis (-2), so its all-reduce becomes a
+      reduce-scatter and the norms, residual adds and dropouts up to the next pair run on a
+      slice of the sequence; a pair's start (a column half's matmul) reads its input whole,
+      one all-gather. Where the sequence does not divide over `tensor` the end stays an
+      all-reduce. The cotangents are held the same way, so the backward pass mirrors it.
+    """
+    t = self.mesh.shape.get("tensor", 1)
+
+    def rule(node, env):
+      if node.op == "repeat":
+        return self._repeat(node, env, params, inputs, ctx)
+      uid = node.uid
+      if not (uid in self.dispatch or uid in self.ends or uid in self.starts
+              or uid in self.inner):
+        return NOT_HANDLED
+      args = arguments(node, env)
+      x = args[0]
+      along = node.op == "matmul" and x.ndim >= 2 and x.shape[-2] % t == 0
+      if along and (uid in self.starts or uid in self.ends):
+        return self._pair_edge(node, args, ctx, uid in self.starts)
+      if uid in self.dispatch:
+        i, axis, out = self.dispatch[uid]
+        args[i] = self._held(args[i], axis, "expert")
+      if uid in self.starts:
+        args[0] = self._held(x, None, "tensor")
+      value = lowering(node.op, ctx.platform)(ctx, *args, **dict(node.attrs))
+      if uid in self.dispatch:
+        return self._held(value, self.dispatch[uid][2], "expert")
+      if uid in self.inner:
+        return self._held(value, self.inner[uid], "tensor")
+      if uid in self.ends and value.ndim >= 2 and value.shape[-2] % t == 0:
+        # an embedding's rows summed over the vocabulary's shards (held whole first, else the
+        # partitioner may gather the table instead), then sliced on the sequence
+        return self._held(self._held(value, None, "tensor"), value.ndim - 2, "tensor")
+      return value
+    return rule
+
+  def _pair_edge(self, node, args, ctx, start: bool):
+    """A pair's first or last matmul under sequence parallel, its collective written out
+    over `tensor` (the other axes left to the partitioner): the start all-gathers its input
+    [.. seq/t, in] and multiplies by its columns [in, out/t]; the end multiplies its
+    [.. seq, in/t] by its rows [in/t, out] and reduce-scatters the sum on the sequence.
+    Their transposes are each other's collective, so the backward pass is the mirror.
+    Written out because the partitioner, given the same placement by constraints, sums with
+    an all-reduce and slices it on host devices (no reduce-scatter pass on the CPU)."""
+    x, w = args[0], args[1]
+    lower, attrs = lowering(node.op, ctx.platform), dict(node.attrs)
+    seq, rank = x.ndim - 2, x.ndim + w.ndim - 2
+
+    def on(ndim, axis):
+      spec = [None] * ndim
+      spec[axis] = "tensor"
+      return P(*spec)
+
+    if start:
+      def body(x_, w_):
+        return lower(ctx, jax.lax.all_gather(x_, "tensor", axis=seq, tiled=True), w_, **attrs)
+      specs, out = (on(x.ndim, seq), on(w.ndim, w.ndim - 1)), on(rank, rank - 1)
+    else:
+      def body(x_, w_):
+        return jax.lax.psum_scatter(lower(ctx, x_, w_, **attrs), "tensor",
+                                    scatter_dimension=seq, tiled=True)
+      specs, out = (on(x.ndim, x.ndim - 1), on(w.ndim, 0)), on(rank, seq)
+    return jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=out,
+                         axis_names={"tensor"}, check_vma=False)(x, w)
+
+  def _repeat(self, node, env, params, inputs, ctx):
+    """A repeat as interp evaluates it (unrolled up to UNROLL_MAX layers, else a scan; each
+    layer's key folded from its index), with `rule` asked inside its body."""
+    n = node.attr("n")
+    stacked, outer = split_params(node, params)
+
+    def step(carry, xs):
+      layer, i = xs
+      sub = dataclasses.replace(ctx, rng=None if ctx.rng is None else
+                                jax.random.fold_in(ctx.rng, i))
+      here = {**outer, **layer}
+      return run_layer(node, env, carry, here, inputs, sub, None,
+                       self._rule(here, inputs, sub)), None
+
+    if node.attr("remat"):
+      step = jax.checkpoint(step)
+    if n <= UNROLL_MAX and not node.attr("remat"):
+      out = env[node.inputs[0].uid]
+      for i in range(n):
+        out, _ = step(out, ({p: v[i] for p, v in stacked.items()}, jnp.int32(i)))
+      return out
+    return jax.lax.scan(step, env[node.inputs[0].uid], (stacked, jnp.arange(n)))[0]
 
   def carry_spec(self, path: str, shape: tuple[int, ...]) -> P:
     """A node sum's or carry's PartitionSpec ([nodes, *shape]): one row a node, the row

@@ -223,18 +223,27 @@ class Pairs:
   # an expert einsum's uid → (its token operand's index, that operand's expert axis, the
   # output's): where the step holds the tokens on `expert` (lower/fsdp.py)
   dispatch: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+  # sequence parallel (lower/fsdp.py): the uids of the pairs' ends (a row half's matmul, an
+  # embedding's take), whose output is split on the sequence, and of their starts (a column
+  # half's matmul), whose input is gathered whole
+  ends: set = dataclasses.field(default_factory=set)
+  starts: set = dataclasses.field(default_factory=set)
+  # inside the pairs: a value's uid → its axis split on `tensor` (columns, heads, vocabulary)
+  inner: dict = dataclasses.field(default_factory=dict)
 
 
 def _is_param(x) -> bool:
   return isinstance(x, Node) and x.op == "param" and len(x.shape) == 2
 
 
-def _walk_body(nodes: list[Node], out: Pairs) -> None:
-  # uid → (axis, column parameters, sizes on the way)
+def _walk_body(nodes: list[Node], out: Pairs, starts: dict, inner: dict) -> None:
+  # uid → (axis, column parameters, sizes on the way); `starts`: a matmul's uid → the
+  # parameter whose columns it would split; `inner`: every value so split, uid → (axis,
+  # the columns it comes from)
   state: dict[int, tuple[int, frozenset, tuple]] = {}
   for node in nodes:
     if node.op == "repeat":
-      _walk_body(list(walk([node.attr("body").output])), out)
+      _walk_body(list(walk([node.attr("body").output])), out, starts, inner)
       continue
     ins = [state.get(i.uid) if isinstance(i, Node) else None for i in node.inputs]
     if node.op == "einsum" and _letters(node) is not None:  # an MoE layer's [experts ..]
@@ -250,10 +259,13 @@ def _walk_body(nodes: list[Node], out: Pairs) -> None:
       t = node.inputs[0]
       out.split[t.attr("path")] = (0, "vocabulary")
       out.sizes.append((t.shape[0], f"the vocabulary of {t.attr('path')}"))
+      out.ends.add(node.uid)
     if node.op == "matmul" and _is_param(node.inputs[1]) and ins[0] is None:
       w = node.inputs[1]
+      starts[node.uid] = w.attr("path")
       state[node.uid] = (len(node.shape) - 1, frozenset([w.attr("path")]),
                          ((w.shape[1], f"the {w.shape[1]} columns of {w.attr('path')}"),))
+      inner[node.uid] = state[node.uid][:2]
       continue
     if all(s is None for s in ins):
       continue
@@ -267,6 +279,7 @@ def _walk_body(nodes: list[Node], out: Pairs) -> None:
       if node.op == "matmul" and _is_param(node.inputs[1]):  # the pair's row half
         w = node.inputs[1]
         out.split[w.attr("path")] = (0, "rows")
+        out.ends.add(node.uid)
         out.sizes += list(sizes) + [(w.shape[0], f"the {w.shape[0]} rows of {w.attr('path')}")]
         out.split.update({c: (1, "columns") for c in cols if c not in out.split})
       elif node.op in ("softmax", "log-softmax", "logsumexp", "cross-entropy"):
@@ -278,12 +291,16 @@ def _walk_body(nodes: list[Node], out: Pairs) -> None:
         sizes += ((node.shape[got], f"the {node.shape[got]} heads after {node.op} at "
                    f"{node.loc or node.scope}"),)
       state[node.uid] = (got, cols, sizes)
+      inner[node.uid] = (got, cols)
 
 
 def find_pairs(graph: Graph) -> Pairs:
   """The tensor-parallel split of each parameter the rules find in `graph` (above)."""
-  out = Pairs()
-  _walk_body(graph.nodes(), out)
+  out, starts, inner = Pairs(), {}, {}
+  _walk_body(graph.nodes(), out, starts, inner)
+  columns = {path for path, (axis, _) in out.split.items() if axis == 1}
+  out.starts = {uid for uid, path in starts.items() if path in columns}
+  out.inner = {uid: axis for uid, (axis, cols) in inner.items() if cols and cols <= columns}
   return out
 
 

@@ -19,7 +19,7 @@ from sexpgpu.lower.init import init_params
 from sexpgpu.lower.optim import make_optimizer
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
 from sexpgpu.lang.mesh import check_devices, is_mesh
-from sexpgpu.lower.layouts import find_pairs, make_mesh, param_specs
+from sexpgpu.lower.layouts import DATA_AXES, find_pairs, make_mesh, param_specs
 from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
 
 
@@ -33,6 +33,8 @@ class Training:
     node_gradients: "f32" or "bf16" (the sum between nodes).
     diags: the diagnostics the step computes.
     pass_steps: pass name → PassStep.
+    sequence_parallel: whether a mesh with `tensor` splits the activations between its pairs
+      on the sequence (on; off only to compare, as tests and plans do).
   """
 
   c: Any
@@ -40,6 +42,14 @@ class Training:
   node_gradients: str = "f32"
   diags: tuple[Diag, ...] = ()
   pass_steps: dict = dataclasses.field(default_factory=dict)
+  # Megatron's sequence parallel between the tensor pairs (lower/fsdp.py), on whenever the
+  # mesh is `tensor` alone (as torchtitan's tensor-parallel plan always splits its norms on
+  # the sequence): it changes no number, only the collectives and the activations a device
+  # holds. Not yet with an axis that splits the batch too (fsdp:2,tensor:2): the ranks' vmap
+  # leaves that axis unnamed, so the pairs' shard_map gathered the batch to every device
+  # (4x the bytes of the plain pairs); named (vmap's spmd_axis_name), JAX 0.10 fails to
+  # lower the jvp of the shard_map (sdy.manual_computation's operand shapes)
+  sequence_parallel: bool = True
 
   def __post_init__(self):
     run = self.c.exp.run
@@ -85,14 +95,20 @@ class Training:
         self._steps[key] = TrainStep(*args)
       else:
         stacks = {path: len(p.stack) for path, p in self.c.params.items()}
-        layout, dispatch, graph = None, {}, self.c.stages[stage].graph
+        layout, held, graph = None, {}, self.c.stages[stage].graph
         if self.mesh is not None:  # each parameter's spec from the stage's graph
           layout = param_specs(graph, self.c.params, self.mesh)
-          if dict(self.mesh).get("expert", 1) > 1:
-            dispatch = find_pairs(graph).dispatch
+          sizes = dict(self.mesh)
+          if sizes.get("expert", 1) > 1 or sizes.get("tensor", 1) > 1:
+            pairs = find_pairs(graph)
+            held["dispatch"] = pairs.dispatch if sizes.get("expert", 1) > 1 else {}
+            if self.sequence_parallel and sizes.get("tensor", 1) > 1 and not any(
+                sizes.get(a, 1) > 1 for a in DATA_AXES):
+              held.update(ends=frozenset(pairs.ends), starts=frozenset(pairs.starts),
+                          inner=pairs.inner)
           args = args[:9] + (make_mesh(place.devices, self.mesh),) + args[10:]
         self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks,
-                                            layout=layout, dispatch=dispatch)
+                                            layout=layout, **held)
     return self._steps[key]
 
   def place_state(self, state: dict, stage: int = 0) -> dict:
