@@ -76,10 +76,10 @@ def test_a_file_and_a_capture_keep_it(monkeypatch, tmp_path):
   assert cli._write_summary(LINE) is None and sys.stdout.getvalue() == LINE
 
 
-def _run(**popen):
-  return subprocess.Popen(sexpgpu_cmd("run", TINY, "--variant", "smoke", "--steps", "1",
-                                      "--json"), cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                          **popen)
+def _run(*shell, **popen):
+  return subprocess.Popen([*shell, *sexpgpu_cmd("run", TINY, "--variant", "smoke", "--steps",
+                                                "1", "--json")],
+                          cwd=ROOT, stderr=subprocess.PIPE, text=True, **popen)
 
 
 @pytest.mark.parametrize("where", ["full", "closed", "one byte read"])
@@ -89,7 +89,9 @@ def test_the_command_exits_1_and_says_the_summary_was_lost(where):
       p = _run(stdout=full)
     err = p.communicate(timeout=600)[1]
   elif where == "closed":
-    p = _run(stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1))
+    # the shell closes the descriptor, not a preexec_fn: that forks this process, JAX's
+    # threads and all, and runs Python in the child
+    p = _run("sh", "-c", 'exec "$@" 1>&-', "sh", stdout=subprocess.DEVNULL)
     err = p.communicate(timeout=600)[1]
   else:  # `| head -c 1`
     p = _run(stdout=subprocess.PIPE)

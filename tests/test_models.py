@@ -84,12 +84,11 @@ def test_export_safetensors_keeps_every_path_and_the_metadata(trained, tmp_path)
   assert "jax" in json.loads(md["versions"])
 
 
-@pytest.mark.slow  # transformers' Flax generate compiles for a while
-def test_export_hf_loads_in_transformers_with_equal_logits_and_greedy_text(trained, tmp_path):
+def test_export_hf_loads_in_transformers_flax_with_equal_logits(trained, tmp_path):
+  # greedy text against transformers' generate: tests/test_twins_torch.py (Flax's generate
+  # compiles for a minute and says the same)
   from transformers import FlaxGPT2LMHeadModel
-  from sexpgpu.models import sample
   from sexpgpu.models.source import checkpoint_params
-  from sexpgpu.run.compile import compile_file
   path, step_dir = trained
   out = str(tmp_path / "hf")
   assert main(["export", path, "--resume", step_dir, "-o", out, "--format", "hf"]) == 0
@@ -100,13 +99,6 @@ def test_export_hf_loads_in_transformers_with_equal_logits_and_greedy_text(train
   theirs = np.asarray(twin(tokens).logits)
   ours = _logits(path, params, tokens)
   assert np.abs(ours - theirs).max() < 1e-4
-  # greedy decoding, 32 tokens: ours against transformers' generate(do_sample=False)
-  prompt = [3, 1, 4, 1]
-  got = sample.generate(compile_file(path), "lm", params, prompt,
-                        sample.Settings(tokens=32, temperature=0.0)).ids
-  gen = twin.generate(np.asarray([prompt], np.int32), do_sample=False, max_new_tokens=32,
-                      eos_token_id=40, pad_token_id=0)  # no eos: an id past the 40 it generates
-  assert got == [int(t) for t in np.asarray(gen.sequences)[0, len(prompt):]]
 
 
 def test_a_gpt2_saved_by_transformers_imports_with_equal_logits(tmp_path):

@@ -91,8 +91,9 @@ def test_llama_config_is_read_from_the_model():
               40, 32, 64, 2, 4, 2, 8, 48, 1e-5, 500000.0, False)
 
 
-@pytest.mark.slow  # transformers' Flax generate compiles for a while
-def test_export_hf_loads_in_transformers_with_equal_logits_and_greedy_text(trained, tmp_path):
+def test_export_hf_loads_in_transformers_flax_with_equal_logits(trained, tmp_path):
+  # greedy text against transformers' generate: tests/test_twins_torch.py (Flax's generate
+  # compiles for a minute and says the same)
   from transformers import FlaxLlamaForCausalLM
   from sexpgpu.models import sample
   from sexpgpu.models.source import checkpoint_params
@@ -112,12 +113,7 @@ def test_export_hf_loads_in_transformers_with_equal_logits_and_greedy_text(train
   prompt = [3, 1, 4, 1]
   got = sample.generate(compile_file(path), "lm", params, prompt,
                         sample.Settings(tokens=32, temperature=0.0))
-  assert got.path == "incremental"
-  # the config names no end-of-text token; Flax's generate wants one: the vocabulary's size,
-  # which no step can produce, so both decode 32 tokens
-  gen = twin.generate(np.asarray([prompt], np.int32), do_sample=False, max_new_tokens=32,
-                      eos_token_id=40, pad_token_id=0)
-  assert got.ids == [int(t) for t in np.asarray(gen.sequences)[0, len(prompt):]]
+  assert got.path == "incremental" and len(got.ids) == 32
 
 
 def _flax_llama(tmp_path, seed=3, **kw):

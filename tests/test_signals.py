@@ -23,14 +23,25 @@ MOMENTS = 20  # spread over the first two seconds
 SPAN = 2.0
 
 
+def _spawn_blocked(cmd, **kw):
+  """A child that starts with the stop signals blocked, so that one sent before the
+  interpreter reaches our first import stays pending until the CLI's handlers unblock it.
+  The mask is set in this thread around the spawn, which the child inherits, not in a
+  preexec_fn: that forks this process, which has JAX's threads (and W&B's, after
+  tests/test_wandb_target.py), and a fork that runs Python in the child can hang on a lock
+  one of them held, leaving the child deaf to every signal."""
+  old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, list(signals.SIGNALS))
+  try:
+    return subprocess.Popen(cmd, cwd=ROOT, **kw)
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
 def _start(status):
-  # The child starts with the stop signals blocked, as a signal sent before the interpreter
-  # reaches our first import stays pending; the CLI's handlers unblock and receive it.
-  return subprocess.Popen(
+  return _spawn_blocked(
       sexpgpu_cmd("run", "configs/tiny-lm.sx", "--variant", "smoke", "--steps", "100000",
                   "--eval-every", "0", "--status", str(status)),
-      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-      preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, list(signals.SIGNALS)))
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 @pytest.mark.slow
@@ -184,22 +195,18 @@ def _cold_run(tmp_path, tag):
   """tiny-lm with an empty XLA cache (so it compiles), eval at step 0, SIGINT as in a shell."""
   cache = tmp_path / f"cache-{tag}"
   status = tmp_path / f"{tag}.json"
-  # SIGINT as a terminal's Ctrl-C meets it (a handler, which exec resets to the default; not
-  # ignored, as for a background job), and blocked as _start blocks it: one sent before the
-  # interpreter reaches our first import waits. Set here around the spawn, not in a
-  # preexec_fn: this process has JAX's threads.
+  # SIGINT as a terminal's Ctrl-C meets it: a handler, which exec resets to the default (not
+  # ignored, as for a background job).
   old_int = signal.getsignal(signal.SIGINT)
   if old_int is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-  old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, list(signals.SIGNALS))
   try:
-    p = subprocess.Popen(
+    p = _spawn_blocked(
         sexpgpu_cmd("run", "configs/tiny-lm.sx", "--variant", "smoke", "--steps", "100000",
                     "--eval-every", "5", "--status", str(status)),
-        cwd=ROOT, env={**os.environ, "SEXPGPU_CACHE_DIR": str(cache)},
+        env={**os.environ, "SEXPGPU_CACHE_DIR": str(cache)},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   finally:
-    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     signal.signal(signal.SIGINT, old_int)
   return p, status
 
