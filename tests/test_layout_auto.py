@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, sexpgpu_cmd
 
 LLAMA8 = os.path.join(ROOT, "configs", "llama3-8b.sx")
 TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
@@ -76,6 +76,24 @@ def test_choices_json_remembers_the_layout(auto):
   data = json.load(open(os.path.join(cache, "choices.json")))
   entries = [v for k, v in data.items() if k.endswith("|layout")]
   assert [e["layout"] for e in entries] == [out["first"]["sharding"]]
+
+
+def test_a_run_with_auto_trains_on_the_remembered_layout(auto):
+  """`--set sharding=auto` from the command line: the run's layout is the one choices.json
+  remembers for this graph and these devices, and it trains."""
+  out, cache = auto
+  env = dict(os.environ, SEXPGPU_DEVICES="0,1,2,3", SEXPGPU_CACHE_DIR=cache,
+             XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+             + os.environ.get("XLA_FLAGS", ""))
+  env.pop("SEXPGPU_MEMORY", None)
+  p = subprocess.run(sexpgpu_cmd("run", LLAMA8, "--variant", "smoke",
+                                 "--set", "sharding=auto", "--set", "microbatches=4", "--steps", "2"),
+                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  chosen = out["first"]["sharding"]
+  head = next(x for x in p.stderr.splitlines() if x.startswith("  layout      "))
+  assert head.startswith(f"  layout      {chosen}:") and "remembered" in head, p.stderr
+  assert " ranks 4 " in p.stderr and "done: 2 steps" in p.stderr
 
 
 def test_a_memory_limit_drops_the_layouts_that_do_not_fit(auto):

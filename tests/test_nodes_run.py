@@ -235,10 +235,11 @@ def _kill_at(procs, tmp, victim, when):
   pytest.fail("the run ended before the kill")
 
 
-@pytest.mark.parametrize("victim,when", [
-    (0, "step"), (1, "step"),
-    pytest.param(0, "checkpoint", marks=pytest.mark.slow),
-    pytest.param(1, "checkpoint", marks=pytest.mark.slow)])
+# each node killed once and each moment met once: a peer (node 1) dies during a step, the
+# coordinator (node 0) during a checkpoint; the other two pairings ran here until the suite
+# outgrew its 20 minutes
+@pytest.mark.parametrize("victim,when", [(1, "step"),
+                                         pytest.param(0, "checkpoint", marks=pytest.mark.slow)])
 def test_a_node_killed_ends_the_survivor_with_e_dp_007_then_both_resume(
     two_nodes_uninterrupted, tmp_path, victim, when):
   """kill -9 of one node, mid-step or in a checkpoint's write: the other exits 1 with

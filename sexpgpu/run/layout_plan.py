@@ -608,6 +608,10 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
                      {x.text: x.measured for x in close})
   else:
     cache.put_layout(c.graph_fingerprint, name, best.text, LAYOUT_MODEL, None)
+  if nodes > 1:  # each node's link timings and choices.json may differ: node 0 decides
+    from sexpgpu.devices.nodes import follow_node_0
+    chosen = follow_node_0("layout", best.text)
+    best = next(x for x in cands if x.text == chosen)
   c.exp.run["sharding"] = Symbol(best.text)
   choice = LayoutChoice(best, how, cands, hw, flops, _tokens(c) * k, devices, nodes,
                         "remat" in c.selection.knobs, hardware_peak=hw.peak_at(precision))
