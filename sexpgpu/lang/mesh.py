@@ -49,12 +49,12 @@ def parse_mesh(text: str, where: str | None = None, loc=None) -> tuple[tuple[str
   return tuple(out)
 
 
-def check_devices(text: str, devices: int, nodes: int = 1) -> tuple[tuple[str, int], ...]:
-  """The mesh of `text`, checked against the run's devices.
+def check_devices(text: str, devices: int) -> tuple[tuple[str, int], ...]:
+  """The mesh of `text`, checked against the run's devices (all its nodes', node-major).
 
   Raises:
     SxError: E-KNOB-003 when its product is not the device count (naming the sizes that
-      are), or over several nodes (not built yet).
+      are).
   """
   if is_auto(text):
     raise SxError("E-KNOB-003", ":sharding auto reached the steps unchosen: this path builds "
@@ -64,10 +64,6 @@ def check_devices(text: str, devices: int, nodes: int = 1) -> tuple[tuple[str, i
                   "choice")
   mesh = parse_mesh(text, where=f"--set sharding={text}")
   product = math.prod(s for _, s in mesh)
-  if nodes > 1:
-    raise SxError("E-KNOB-003", f":sharding {text} is a mesh; over {nodes} nodes only "
-                  "fsdp and hsdp are built", where=f"--set sharding={text}",
-                  fix="use --set sharding=fsdp or hsdp over nodes, or a mesh on one node")
   if product != devices:
     raise SxError("E-KNOB-003", f"the mesh {text} has {product} devices; the run has "
                   f"{devices}", where=f"--set sharding={text}",

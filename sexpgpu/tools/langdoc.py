@@ -93,8 +93,10 @@ DEFRUN = {
     "sharding": "replicate (default: a full copy a device), fsdp (parameters, gradients and "
                 "optimizer state split over every device of every node; each process writes "
                 "its own shards of a checkpoint), hsdp (split within a node, copied across), "
-                "or a mesh on one node, \"fsdp:2,tensor:2\" (axes data, fsdp, tensor, expert: "
-                "tensor parallel from the ops' split rules, expert parallel for MoE weights)",
+                "a mesh, \"fsdp:2,tensor:2\" (axes data, fsdp, tensor, expert: tensor "
+                "parallel from the ops' split rules, sequence parallel between the pairs under "
+                "tensor alone, expert parallel for MoE weights), or auto (the plan chooses the "
+                "mesh and says why)",
     "init-from": "a warm start: parameters by path from a checkpoint folder (or s3://), a "
                  ".safetensors file or hf:DIR; optimizer, step and loaders fresh (also "
                  "--init-from, SEXPGPU_INIT_FROM; --resume wins)",
