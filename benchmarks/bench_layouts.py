@@ -7,7 +7,7 @@ Two shapes of configs/llama3-8b.sx's smoke model: `batch` (many rows, a small mo
 gradients' all-reduce is cheap next to the compute, data parallel should win) and `wide`
 (a wider model on few rows, where the state's traffic weighs more). For each shape every
 fixed layout the device count allows (the plan's own enumeration, those that divide the
-sizes) and `auto` (the layout `layout_plan.resolve` chooses, with a fresh choices.json)
+sizes) and `auto` (the layout `layout_choice.resolve` chooses, with a fresh choices.json)
 train from the same initial parameters on the same zero batches; R rounds in a rotating
 order, each layout N steps a round (the first compiles and is dropped), and a layout's time
 is the median over rounds of its round's median step. `auto` is judged against the best
@@ -50,11 +50,11 @@ def bench_shape(shape: str, rounds: int, steps: int, place) -> dict:
   import jax
   import numpy as np
   from sexpgpu.ir.shapes import np_dtype
-  from sexpgpu.run import layout_plan
+  from sexpgpu.run import layout_choice
   from sexpgpu.run.training import build
   c = _compile(shape, "auto")
   with tempfile.TemporaryDirectory() as cache:
-    choice = layout_plan.resolve(c, place, cache)
+    choice = layout_choice.resolve(c, place, cache)
   fixed = sorted({x.text for x in choice.candidates
                   if not (x.dropped or "").startswith(("tensor:", "expert:", "no ", "the "))})
   runs = {}

@@ -21,7 +21,7 @@ _AUTO = """
 import json, os
 from sexpgpu.run.compile import compile_file
 from sexpgpu.run.devices import open_devices
-from sexpgpu.run.layout_plan import resolve
+from sexpgpu.run.layout_choice import resolve
 from sexpgpu.run.training import build
 place = open_devices("cpu", [0, 1, 2, 3])
 out = {{}}

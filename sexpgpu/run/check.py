@@ -118,7 +118,7 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   microbatches_divide(k, place.ranks)
   # The run's own wiring: the same steps, pass steps and state that `run` plans.
   # `:sharding auto` is chosen here as `run` chooses it, before the steps are built
-  from sexpgpu.run.layout_plan import resolve
+  from sexpgpu.run.layout_choice import resolve
   layout = resolve(c, place, cache_dir())
   training = build(c, place)
   state = training.abstract_state()

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import time
 
 from sexpgpu.devices import memory as mem
 from sexpgpu.errors import SxError
@@ -429,7 +427,7 @@ def pick(cands: list, measured: bool = False) -> tuple[Candidate | None, list]:
   return best, [x for x in fit[:2] if x.time <= best.time * (1 + CLOSE)]
 
 
-def _refuse(cands: list, where: str) -> SxError:
+def refuse(cands: list, where: str) -> SxError:
   fits = [x for x in cands if x.memory]
   small = min(fits, key=lambda x: x.memory) if fits else None
   return SxError("E-MEM-001", "no layout of :sharding auto fits: "
@@ -466,15 +464,15 @@ def paper(c, gpu: str, devices: int, nodes: int = 1) -> LayoutChoice:
     cands = mine
   best, close = pick(cands)
   if best is None:
-    raise _refuse(cands, "--set sharding=auto")
+    raise refuse(cands, "--set sharding=auto")
   k = int(c.exp.run["microbatches"])
   return LayoutChoice(best, "only" if len([x for x in cands if not x.dropped]) == 1 else "model",
-                      cands, hw, train_flops(c.stages[0].graph, k), _tokens(c) * k, devices,
+                      cands, hw, train_flops(c.stages[0].graph, k), tokens_a_step(c) * k, devices,
                       nodes, "remat" in c.selection.knobs,
                       hardware_peak=hw.peak_at(str(c.exp.run["precision"])))
 
 
-def _tokens(c) -> int:
+def tokens_a_step(c) -> int:
   """Tokens one microbatch trains on (the loader's `tokens` field), else its rows."""
   fields = c.fields[c.stages[0].data]
   dt, shape = fields.get("tokens", next(iter(fields.values())))
@@ -503,129 +501,5 @@ def paper_text(c, choice: LayoutChoice, gpu: str) -> str:
   return "\n".join(lines) + "\n"
 
 
-# --- on the run's devices -------------------------------------------------------------------
-
-def _with_sharding(c, text: str):
-  """A view of the Compiled experiment whose `:sharding` is `text` (the run's dict is not
-  touched): its exp is copied with another run dict."""
-  from sexpgpu.reader.forms import Symbol
-  exp = dataclasses.replace(c.exp, run=dict(c.exp.run, sharding=Symbol(text)))
-  return dataclasses.replace(c, exp=exp)
-
-
-def _memory_plan(c, place, text: str, cache_dir: str):
-  """The compiled memory plan of a layout (plan.choose at the largest stacking degree)."""
-  from sexpgpu.run import plan
-  from sexpgpu.run.training import build
-  cc = _with_sharding(c, text)
-  training = build(cc, place)
-  k = training.k
-  state = training.abstract_state()
-  batches = training.abstract_batches(c.stages[0].data, (k,))
-  return plan.choose(training, 0, k // training.ranks, state, batches, place.first, False,
-                     cache_dir), training
-
-
-def _time(training, c, place, runs: int = 4) -> float:
-  """The fastest of `runs` steps of a layout on zero batches (the first compiles)."""
-  import jax
-  import numpy as np
-  from sexpgpu.ir.shapes import np_dtype as npd
-  k = training.k
-  state = training.init_state()
-  host = {f: np.zeros((k,) + sh, npd(dt)) for f, (dt, sh) in c.fields[c.stages[0].data].items()}
-  batches = place.shard(host, k)
-  step = training.step(0, k // training.ranks)
-  best = float("inf")
-  for i in range(runs):
-    t = time.perf_counter()
-    state, m = step(state, batches)
-    jax.block_until_ready(m)
-    if i:
-      best = min(best, time.perf_counter() - t)
-  return best
-
-
-def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
-  """Chooses the layout of `:sharding auto` on the run's devices and writes it into the
-  experiment (`c.exp.run["sharding"]`) before its Training is built; None when `:sharding`
-  is not auto.
-
-  Raises:
-    SxError: E-MEM-001 when no layout fits.
-  """
-  if not is_auto(str(c.exp.run.get("sharding", ""))):
-    return None
-  from sexpgpu import env
-  from sexpgpu.lower.flops import device_peak, train_flops
-  from sexpgpu.reader.forms import Symbol
-  from sexpgpu.run import links, plan
-  devices, nodes = place.ranks, place.nodes
-  k = int(c.exp.run["microbatches"])
-  flops = train_flops(c.stages[0].graph, k)
-  precision = str(c.exp.run["precision"])
-  if devices == 1:
-    c.exp.run["sharding"] = Symbol("replicate")
-    one = Candidate((("data", 1),), False)
-    return LayoutChoice(one, "only", [one], links.GPUS["H100"], flops, _tokens(c) * k, 1, 1,
-                        False, hardware_peak=0.0)
-  free = mem.free_bytes_of(place.first, env.get("SEXPGPU_MEMORY")) - mem.reserve_for(place.first)
-  rates = plan.device_rates(place.first, cache_dir)
-  hw = links.host(list(place.devices), cache_dir, rates["bytes"], free)
-  if place.first.platform != "cpu":
-    hw = dataclasses.replace(hw, peak=device_peak(place.first, "bf16") or hw.peak)
-  current = [bool(n.attr("remat")) for n in c.stages[0].graph.nodes() if n.op == "repeat"]
-  remats = (any(current),)  # a run builds the graph as written: its repeat's :remat
-  cands, _ = candidates(c, devices, nodes, hw, free, remats)
-  name = plan.device_name(place.first, devices)
-  cache = plan.ChoiceCache(os.path.join(cache_dir, "choices.json"))
-  remembered = cache.layout(c.graph_fingerprint, name, LAYOUT_MODEL)
-  how = "model"
-  # the memory plan, compiled, confirms the best candidates until two fit
-  fitting = []
-  known = [x for x in cands if x.text == remembered and not x.dropped]
-  for cand in known or sorted((x for x in cands if not x.dropped), key=lambda x: x.time):
-    if len(fitting) == 2:  # the best two that fit are what a measurement needs
-      break
-    p, _ = _memory_plan(c, place, cand.text, cache_dir)
-    cand.planned = p.plan.total
-    if not p.plan.fits:
-      cand.dropped = f"does not fit by the memory plan: {p.plan.text()}"
-      continue
-    fitting.append(cand)
-  best, close = pick([x for x in cands if x in fitting or x.dropped])
-  if best is None:
-    raise _refuse(cands, "--set sharding=auto")
-  if known and not known[0].dropped:
-    best, how = next(x for x in cands if x.text == remembered and not x.dropped), "remembered"
-  elif len([x for x in cands if not x.dropped]) == 1:
-    how = "only"
-  elif len(close) == 2 and nodes == 1:
-    for cand in close:
-      cand.measured = _time(build_for(c, place, cand.text), c, place)
-    best, how = min(close, key=lambda x: x.measured), "measured"
-    cache.put_layout(c.graph_fingerprint, name, best.text, LAYOUT_MODEL,
-                     {x.text: x.measured for x in close})
-  else:
-    cache.put_layout(c.graph_fingerprint, name, best.text, LAYOUT_MODEL, None)
-  if nodes > 1:  # each node's link timings and choices.json may differ: node 0 decides
-    from sexpgpu.devices.nodes import follow_node_0
-    chosen = follow_node_0("layout", best.text)
-    best = next(x for x in cands if x.text == chosen)
-  c.exp.run["sharding"] = Symbol(best.text)
-  choice = LayoutChoice(best, how, cands, hw, flops, _tokens(c) * k, devices, nodes,
-                        "remat" in c.selection.knobs, hardware_peak=hw.peak_at(precision))
-  if log is not None:
-    for line in choice.lines():
-      log(line)
-  return choice
-
-
-def build_for(c, place, text: str):
-  """The Training of the experiment under another `:sharding` (for timing a candidate)."""
-  from sexpgpu.run.training import build
-  return build(_with_sharding(c, text), place)
-
-
 __all__ = ["AUTO", "Candidate", "LayoutChoice", "candidates", "estimate", "meshes", "paper",
-           "paper_text", "pick", "resolve"]
+           "paper_text", "pick", "refuse", "tokens_a_step"]

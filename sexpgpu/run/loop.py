@@ -20,7 +20,7 @@ import jax
 from sexpgpu.env import parse_nodes
 from sexpgpu.errors import SxError
 from sexpgpu.models.warm import start_state
-from sexpgpu.run import layout_plan, output, plan, reports, saving, setup, signals
+from sexpgpu.run import output, plan, reports, saving, setup, signals
 from sexpgpu.run.compile import Compiled, cache_dir
 from sexpgpu.run.devices import CompileCounter
 from sexpgpu.run.feed import Feed
@@ -83,9 +83,8 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   log = (lambda line: None) if o.quiet else output.err
 
   # --- set up: devices, checkpoints, metrics, the steps -------------------------------------
-  place, rdv, open_s = setup.open_backend(c, o, nodes_cfg, progress)
+  place, rdv, open_s = setup.open_backend(c, o, nodes_cfg, progress, log)
   store, resume_dir, resume_text = setup.open_checkpoints(c, o, node)
-  layout_plan.resolve(c, place, cache_dir(), log)  # `:sharding auto`: the mesh, chosen here
   metrics = setup.open_metrics(c, o, place, node, resume_text, log)
   t_setup = time.perf_counter()
   training = setup.build_training(c, place, nodes_cfg, rdv, resume_dir, progress)

@@ -16,7 +16,8 @@ from sexpgpu.env import check_visible, cpu_visible, rendezvous_timeout
 from sexpgpu.errors import SxError
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT
 from sexpgpu.lower.flops import device_peak, forward_bytes, train_flops
-from sexpgpu.run import output, signals
+from sexpgpu.run import layout_choice, output, signals
+from sexpgpu.run.compile import cache_dir
 from sexpgpu.run.devices import (MMAP_CEILING, TRIM_CEILING, autotune_of, cpu_flags, deterministic,
                                  deterministic_flags, keep_host_memory, microbatches_divide,
                                  open_devices, parse_device_list)
@@ -36,14 +37,16 @@ def wants_kept_host_memory(c) -> bool:
   return MMAP_CEILING < max(forward_bytes(s.graph) for s in c.stages) <= TRIM_CEILING
 
 
-def open_backend(c, o, nodes_cfg, progress):
-  """Starts the backend and opens the run's devices.
+def open_backend(c, o, nodes_cfg, progress, log):
+  """Starts the backend, opens the run's devices and, for `:sharding auto`, chooses the
+  layout on them (written into the experiment before its Training is built).
 
   Returns:
     (the Placement, the rendezvous of several nodes or None, seconds it took).
 
   Raises:
-    SxError: E-DEV-*, E-DP-* (devices, nodes, microbatches that do not divide).
+    SxError: E-DEV-*, E-DP-* (devices, nodes, microbatches that do not divide), E-MEM-001
+      (no layout fits).
   """
   ordinals = parse_device_list(env.get("SEXPGPU_DEVICES"))
   t_open = time.perf_counter()
@@ -53,6 +56,7 @@ def open_backend(c, o, nodes_cfg, progress):
   place = open_devices(o.device, ordinals, nodes_cfg)
   open_s = time.perf_counter() - t_open
   microbatches_divide(int(c.exp.run["microbatches"]), place.ranks)
+  layout_choice.resolve(c, place, cache_dir(), log)
   return place, rdv, open_s
 
 
