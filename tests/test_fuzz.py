@@ -19,11 +19,11 @@ _spec.loader.exec_module(fuzz)
 
 @pytest.mark.slow
 def test_fuzz_check_and_run(tmp_path):
-  count, findings = fuzz.fuzz(count=1500, runs=5, seed=16, folder=str(tmp_path))
-  assert count == 1500
+  count, findings = fuzz.fuzz(count=1000, runs=3, seed=16, folder=str(tmp_path))
+  assert count == 1000
   assert not findings, "\n".join(findings)
   assert fuzz.OUTCOMES.get(("run", 0), 0) >= 1  # some runs really ran
-  assert fuzz.OUTCOMES.get(("check", 0), 0) >= 40  # (49 at seed 16: a tenth are invalid edits)
+  assert fuzz.OUTCOMES.get(("check", 0), 0) >= 25  # (33 at seed 16: a tenth are invalid edits)
 
 
 def test_the_oracle_catches_an_escape(tmp_path, monkeypatch):
