@@ -184,6 +184,31 @@ def test_stop_waits_for_an_import_to_finish(tmp_path, monkeypatch):
     flag.restore()
 
 
+def test_a_stop_inside_a_gc_callback_is_not_dropped():
+  """jax's garbage-collector callback was where a Ctrl-C during a compile often landed: the
+  Stopped raised there was printed and dropped by the collector, and the run went on to
+  compile for seconds more. The stop waits for the callback and is raised after it."""
+  import gc
+  ran = []
+
+  def callback(phase, info):
+    if phase == "start" and not ran:
+      ran.append(phase)
+      signal.raise_signal(signal.SIGTERM)
+
+  flag = signals.Flag()
+  flag.install(raising=True)
+  gc.callbacks.append(callback)
+  try:
+    with pytest.raises(signals.Stopped) as e:
+      gc.collect()
+      time.sleep(1.0)  # the timer's retry raises here, after the callback
+    assert ran and e.value.exit_code == 143
+  finally:
+    gc.callbacks.remove(callback)
+    flag.restore()
+
+
 def test_deferred_records_only():
   with signals.deferred() as flag:
     signal.raise_signal(signal.SIGINT)

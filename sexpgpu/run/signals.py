@@ -20,6 +20,7 @@ about 0.1 s), a Ctrl-C is Python's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -73,9 +74,11 @@ class Flag:
 
   def _stop_when_safe(self, frame) -> None:
     # An exception raised while a module is being imported can leave a native extension
-    # half-initialised and crash the interpreter (SIGSEGV); the stop then waits for the
-    # import to finish, polling with a short timer.
-    if _importing(frame):
+    # half-initialised and crash the interpreter (SIGSEGV), and one raised in a garbage
+    # collector's callback (jax keeps one) or a finalizer is printed and dropped, the run
+    # going on as if no stop had come; the stop then waits for it to finish, polling with
+    # a short timer.
+    if _not_here(frame):
       signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
       return
     self.raising = False  # a second signal while start-up unwinds is only recorded
@@ -132,9 +135,14 @@ class Flag:
 RETRY_SECONDS = 0.02
 
 
-def _importing(frame) -> bool:
+def _not_here(frame) -> bool:
+  """Whether an exception raised at `frame` would crash the interpreter or be dropped: inside
+  an import, a garbage collector's callback or a finalizer (`__del__`)."""
+  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
   while frame is not None:
-    if frame.f_code.co_filename.startswith("<frozen importlib"):
+    code = frame.f_code
+    if (code.co_filename.startswith("<frozen importlib") or code in callbacks
+        or code.co_name == "__del__"):
       return True
     frame = frame.f_back
   return False
