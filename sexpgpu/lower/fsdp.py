@@ -40,8 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.lower.attention import under_rank_vmap
-from sexpgpu.lower.interp import (NOT_HANDLED, UNROLL_MAX, arguments, run_graph, run_layer,
-                                  split_params)
+from sexpgpu.lower.interp import NOT_HANDLED, arguments, repeat_value, run_graph
 from sexpgpu.lower.registry import lowering
 from sexpgpu.lower.layouts import DATA_AXES
 from sexpgpu.lower.step import TrainStep
@@ -170,7 +169,7 @@ class ShardedTrainStep(TrainStep):
 
     def rule(node, env):
       if node.op == "repeat":
-        return self._repeat(node, env, params, inputs, ctx)
+        return repeat_value(node, env, params, inputs, ctx, None, self._rule)
       uid = node.uid
       if not (uid in self.dispatch or uid in self.ends or uid in self.starts
               or uid in self.inner):
@@ -225,29 +224,6 @@ class ShardedTrainStep(TrainStep):
       specs, out = (on(x.ndim, x.ndim - 1), on(w.ndim, 0)), on(rank, seq)
     return jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=out,
                          axis_names={"tensor"}, check_vma=False)(x, w)
-
-  def _repeat(self, node, env, params, inputs, ctx):
-    """A repeat as interp evaluates it (unrolled up to UNROLL_MAX layers, else a scan; each
-    layer's key folded from its index), with `rule` asked inside its body."""
-    n = node.attr("n")
-    stacked, outer = split_params(node, params)
-
-    def step(carry, xs):
-      layer, i = xs
-      sub = dataclasses.replace(ctx, rng=None if ctx.rng is None else
-                                jax.random.fold_in(ctx.rng, i))
-      here = {**outer, **layer}
-      return run_layer(node, env, carry, here, inputs, sub, None,
-                       self._rule(here, inputs, sub)), None
-
-    if node.attr("remat"):
-      step = jax.checkpoint(step)
-    if n <= UNROLL_MAX and not node.attr("remat"):
-      out = env[node.inputs[0].uid]
-      for i in range(n):
-        out, _ = step(out, ({p: v[i] for p, v in stacked.items()}, jnp.int32(i)))
-      return out
-    return jax.lax.scan(step, env[node.inputs[0].uid], (stacked, jnp.arange(n)))[0]
 
   def carry_spec(self, path: str, shape: tuple[int, ...]) -> P:
     """A node sum's or carry's PartitionSpec ([nodes, *shape]): one row a node, the row

@@ -60,7 +60,7 @@ def evaluate(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: Lowe
     elif op == "input":
       env[node.uid] = inputs[node.attr("field")]
     elif op == "repeat":
-      env[node.uid] = _repeat(node, env, params, inputs, ctx, taps)
+      env[node.uid] = repeat_value(node, env, params, inputs, ctx, taps)
     elif op == "part":
       env[node.uid] = env[node.inputs[0].uid][node.attr("index")]
     elif isinstance(node.attr("body"), Fn):
@@ -96,7 +96,11 @@ def run_layer(node: Node, env: dict, carry, params: dict, inputs: dict, ctx: Low
   return local[body.output.uid]
 
 
-def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps) -> Any:
+def repeat_value(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, taps,
+                 rule_for=None) -> Any:
+  """A repeat's output: unrolled up to UNROLL_MAX layers, else a scan; each layer's key
+  folded from its index. `rule_for(params, inputs, ctx)` gives the per-node rule asked
+  inside each layer's body (a layout's, lower/fsdp.py), from that layer's parameters."""
   n = node.attr("n")
   stacked, outer_params = split_params(node, params)
 
@@ -105,7 +109,9 @@ def _repeat(node: Node, env: dict, params: dict, inputs: dict, ctx: LowerCtx, ta
     sub = dataclasses.replace(ctx, rng=None if ctx.rng is None else
                               jax.random.fold_in(ctx.rng, i))
     layer_taps = {} if taps is not None else None
-    out = run_layer(node, env, carry, {**outer_params, **layer_params}, inputs, sub, layer_taps)
+    here = {**outer_params, **layer_params}
+    rule = rule_for(here, inputs, sub) if rule_for is not None else None
+    out = run_layer(node, env, carry, here, inputs, sub, layer_taps, rule)
     return out, layer_taps or {}
 
   if node.attr("remat"):

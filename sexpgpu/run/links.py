@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 
 from sexpgpu.paths import write_atomic
 
@@ -90,18 +89,10 @@ def measure_host(devices) -> dict[str, float]:
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from sexpgpu.run.plan import fastest as best
   n = len(devices)
   mesh = Mesh(np.array(devices), ("d",))
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))  # noqa: E731
-
-  def best(fn, x, reps=5):
-    jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(reps):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(x))
-      times.append(time.perf_counter() - t)
-    return min(times)
 
   total = jax.jit(lambda x: jnp.broadcast_to(x.sum(0, keepdims=True), x.shape),
                   out_shardings=NamedSharding(mesh, P("d")))

@@ -231,17 +231,8 @@ def measure_rates(device, size: int | None = None) -> dict[str, float]:
     s = jnp.ones((8,), jnp.float32)
     ss = [jnp.ones((8,), jnp.float32) for _ in range(wide)]
 
-    def best(fn, x, reps=5):
-      jax.block_until_ready(fn(x))
-      times = []
-      for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - t)
-      return min(times)
-
-    t_mm, t_cp = best(mm, a), best(cp, v)
-    t_one, t_many = best(one, s, 50), best(many, ss, 50)
+    t_mm, t_cp = fastest(mm, a), fastest(cp, v)
+    t_one, t_many = fastest(one, s, 50), fastest(many, ss, 50)
   per_buffer = max(t_many - t_one, 0.0) / (2 * (wide - 1))
   return {"flops": 2 * n ** 3 / max(t_mm, 1e-9), "bytes": 2 * v.nbytes / max(t_cp, 1e-9),
           "call": max(t_one - 2 * per_buffer, 0.0), "buffer": per_buffer}
@@ -258,6 +249,17 @@ def _read_json(path: str) -> dict:
     return data if isinstance(data, dict) else {}
   except (OSError, ValueError):
     return {}
+
+
+def fastest(fn, x, reps: int = 5) -> float:
+  """The fastest of `reps` calls of fn(x), in seconds, after one call that compiles."""
+  jax.block_until_ready(fn(x))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(x))
+    times.append(time.perf_counter() - t)
+  return min(times)
 
 
 def device_rates(device, cache_dir: str | None = None) -> dict:
