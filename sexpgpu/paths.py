@@ -235,6 +235,18 @@ def replacing(path: str) -> Iterator[str]:
     raise
 
 
+def read_json_object(path: str) -> dict:
+  """A local JSON file's object, or {} when the file is missing, unreadable or not an object
+  (the caches a run remembers choices and rates in: a damaged one is measured again)."""
+  import json
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+    return data if isinstance(data, dict) else {}
+  except (OSError, ValueError):
+    return {}
+
+
 def write_atomic(path: str, data: bytes | str, sync: bool = False) -> None:
   """Writes `data` (bytes, or text as UTF-8) to `path` through `replacing`.
 

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 
-from sexpgpu.paths import write_atomic
+from sexpgpu.paths import read_json_object, write_atomic
 
 LINKS_VERSION = 1
 
@@ -68,15 +68,6 @@ def gpu(name: str) -> Hardware:
   return GPUS[name.upper()]
 
 
-def _read(path: str) -> dict:
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-    return data if isinstance(data, dict) else {}
-  except (OSError, ValueError):
-    return {}
-
-
 def measure_host(devices) -> dict[str, float]:
   """The host devices' link, timed: an all-reduce of 4 MiB a device (bandwidth) and of 8
   floats (latency) over every device, and their matmul rate when all run at once.
@@ -125,7 +116,7 @@ def host(devices, cache_dir: str | None, hbm: float, memory: float) -> Hardware:
   d = devices[0]
   name = f"{d.platform}:{getattr(d, 'device_kind', '')} x{len(devices)}"
   path = os.path.join(cache_dir, "links.json") if cache_dir else None
-  known = _read(path).get(name) if path else None
+  known = read_json_object(path).get(name) if path else None
   keys = ("bandwidth", "latency", "flops")
   if (isinstance(known, dict) and known.get("version") == LINKS_VERSION
       and known.get("jax") == jax.__version__
@@ -134,7 +125,7 @@ def host(devices, cache_dir: str | None, hbm: float, memory: float) -> Hardware:
   else:
     got, source = measure_host(devices), "measured"
     if path:
-      data = _read(path)
+      data = read_json_object(path)
       data[name] = dict(got, version=LINKS_VERSION, jax=jax.__version__)
       write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
   link = (got["bandwidth"], got["latency"])

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from sexpgpu import env
 from sexpgpu.devices import memory as mem
 from sexpgpu.errors import SxError
-from sexpgpu.paths import write_atomic
+from sexpgpu.paths import read_json_object, write_atomic
 
 # The cost model's version, kept with every remembered rate and choice: a choice an
 # older model made is made again. 2: a call's fixed cost counts its argument and
@@ -242,15 +242,6 @@ def _write_json(path: str, data: dict) -> None:
   write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
-def _read_json(path: str) -> dict:
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-    return data if isinstance(data, dict) else {}
-  except (OSError, ValueError):
-    return {}
-
-
 def fastest(fn, x, reps: int = 5) -> float:
   """The fastest of `reps` calls of fn(x), in seconds, after one call that compiles."""
   jax.block_until_ready(fn(x))
@@ -273,7 +264,7 @@ def device_rates(device, cache_dir: str | None = None) -> dict:
   if name in _RATES:
     return _RATES[name]
   path = os.path.join(cache_dir, "rates.json") if cache_dir else None
-  known = _read_json(path).get(name) if path else None
+  known = read_json_object(path).get(name) if path else None
   if (isinstance(known, dict) and known.get("model") == COST_MODEL
       and known.get("jax") == jax.__version__
       and all(isinstance(known.get(k), (int, float)) for k in ("flops", "bytes", "call",
@@ -282,7 +273,7 @@ def device_rates(device, cache_dir: str | None = None) -> dict:
   else:
     rates = measure_rates(device)
     if path:
-      data = _read_json(path)
+      data = read_json_object(path)
       data[name] = dict(rates, model=COST_MODEL, jax=jax.__version__)
       _write_json(path, data)
   _RATES[name] = rates
@@ -304,7 +295,7 @@ class ChoiceCache:
 
   def entry(self, fingerprint: str, device: str) -> dict | None:
     """The entry this version of the cost model wrote, or None."""
-    e = _read_json(self.path).get(self.key(fingerprint, device))
+    e = read_json_object(self.path).get(self.key(fingerprint, device))
     if not isinstance(e, dict) or e.get("model") != COST_MODEL:
       return None
     return e
@@ -320,7 +311,7 @@ class ChoiceCache:
   def put(self, fingerprint: str, device: str, degree: int,
           measured: Mapping[int, float] | None = None) -> None:
     """Remembers a choice; written beside the file then renamed (atomic)."""
-    data = _read_json(self.path)
+    data = read_json_object(self.path)
     data[self.key(fingerprint, device)] = {
         "degree": int(degree), "model": COST_MODEL,
         "measured_s": {str(k): v for k, v in (measured or {}).items()},
@@ -331,7 +322,7 @@ class ChoiceCache:
   # key, with the layout model's version.
   def layout(self, fingerprint: str, device: str, model: int) -> str | None:
     """The remembered layout (`tensor:4`, `replicate`) of `:sharding auto`, or None."""
-    e = _read_json(self.path).get(self.key(fingerprint, device) + "|layout")
+    e = read_json_object(self.path).get(self.key(fingerprint, device) + "|layout")
     if not isinstance(e, dict) or e.get("model") != model or not isinstance(e.get("layout"),
                                                                            str):
       return None
@@ -340,7 +331,7 @@ class ChoiceCache:
   def put_layout(self, fingerprint: str, device: str, layout: str, model: int,
                  measured: Mapping[str, float] | None = None) -> None:
     """Remembers `:sharding auto`'s choice, with the seconds measured of each timed layout."""
-    data = _read_json(self.path)
+    data = read_json_object(self.path)
     data[self.key(fingerprint, device) + "|layout"] = {
         "layout": layout, "model": model, "measured_s": dict(measured or {}),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
