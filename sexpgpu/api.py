@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sexpgpu.errors import SxError
+from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.ir.graph import Graph
 from sexpgpu.ir.printer import print_graph
 from sexpgpu.front.values import Closure
@@ -156,10 +156,12 @@ class Experiment:
       fn = env.lookup(name)
     except KeyError:
       raise SxError("E-NAME-001", f"the experiment has no function `{name}`",
-                    where=f"call({name!r})", fix="name a defn of the experiment") from None
+                    where=f"call({name!r})",
+                    fix=did_you_mean(name, [n for n in env.names() if isinstance(env.lookup(n), Closure)])
+                    or "name a defn of the experiment") from None
     if not isinstance(fn, Closure):
       raise SxError("E-TYPE-001", f"`{name}` is not a function", where=f"call({name!r})",
-                    fix="name a defn of the experiment")
+                    fix=f"call a defn; `{name}` is {type(fn).__name__}")
     arrays = [np.asarray(a) if not hasattr(a, "dtype") else a for a in args]
     b = self._c.exp.builder()
     b.params = dict(self._c.params)

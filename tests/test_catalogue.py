@@ -107,3 +107,48 @@ def test_no_title_or_fix_points_at_a_page_users_do_not_have():
   """Users have docs/ and the README; the design pages (`55-models.md`) are not shipped."""
   bad = [e.code for e in CATALOGUE.values() if re.search(r"\b\d\d-[a-z-]+\.md\b", e.title + e.fix)]
   assert bad == []
+
+
+def _written_fixes():
+  """Each raise site's fix written as a literal string: [(code, fix, "file:line")]."""
+  import ast
+  out = []
+  for path in glob.glob(os.path.join(ROOT, "sexpgpu", "**", "*.py"), recursive=True):
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "SxError"):
+        continue
+      code = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+      for kw in node.keywords:
+        if kw.arg == "fix" and isinstance(kw.value, ast.Constant):
+          out.append((code, kw.value.value, f"{os.path.relpath(path, ROOT)}:{node.lineno}"))
+  return out
+
+
+def test_a_raise_site_writes_only_the_fix_particular_to_it():
+  """The catalogue owns each code's default fix: a raise site that writes a fix neither
+  repeats its code's default, nor another site's words (those belong in the catalogue or in
+  one named constant), nor leaves the fix line empty."""
+  fixes = _written_fixes()
+  assert len(fixes) > 100  # the scan sees the raise sites
+  restated = [site for code, fix, site in fixes if code and fix == CATALOGUE[code].fix]
+  empty = [site for _, fix, site in fixes if not fix.strip()]
+  seen: dict[str, list[str]] = {}
+  for _, fix, site in fixes:
+    seen.setdefault(fix, []).append(site)
+  repeated = {fix: sites for fix, sites in seen.items() if len(sites) > 1}
+  assert (restated, empty, repeated) == ([], [], {})
+
+
+def test_the_scan_of_written_fixes_sees_a_repeat(tmp_path, monkeypatch):
+  """The test above fails on a repeated fix (a test of the test)."""
+  pkg = tmp_path / "sexpgpu"
+  pkg.mkdir()
+  (pkg / "a.py").write_text('SxError("E-DP-003", "x", fix="use 2 GPUs")\n'
+                            'SxError("E-DP-003", "y", fix="use 2 GPUs")\n'
+                            f'SxError("E-DP-003", "z", fix={CATALOGUE["E-DP-003"].fix!r})\n')
+  monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path))
+  fixes = _written_fixes()
+  assert [f for _, f, _ in fixes].count("use 2 GPUs") == 2
+  assert sum(f == CATALOGUE["E-DP-003"].fix for _, f, _ in fixes) == 1

@@ -191,7 +191,8 @@ def test_export_to_a_place_that_cannot_be_written_is_e_form_001(trained, tmp_pat
     assert "Traceback" not in err
   assert main(["export", path, "--resume", step_dir, "-o", str(tmp_path / "hf"), "--format",
                "hf", "--tokenizer", str(tmp_path / "none.json")]) == 1
-  assert "no tokenizer file" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "error[E-TOK-002]: no tokenizer file" in err and "nothing is downloaded" in err, err
   assert not (tmp_path / "hf").exists()  # refused before anything is written
 
 

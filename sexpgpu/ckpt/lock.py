@@ -200,7 +200,8 @@ class RunLock:
       raise
     except Exception as e:  # pylint: disable=broad-except
       raise SxError("E-CKPT-004", f"cannot take the lock of {scrub(self.run_dir)}: {reason(e)}",
-                    where=self.where, fix="check the location and its credentials") from e
+                    where=self.where, fix="check the location, its credentials and that they may write "
+                    "there (the lock is an object beside the step folders)") from e
 
   def release(self) -> None:
     """Lets the lock go (idempotent)."""

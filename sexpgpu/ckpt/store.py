@@ -86,7 +86,8 @@ def latest_step_dir(run_dir: str, where: str) -> str | None:
       done, _ = bounded(f"the listing of {scrub(run_dir)}", remote.steps, fs, run_dir)
     except Exception as e:  # pylint: disable=broad-except
       raise SxError("E-CKPT-003", f"cannot list checkpoints at {scrub(run_dir)}: {reason(e)}",
-                    where=where, fix="check the location and its credentials") from e
+                    where=where, fix="check the location and its credentials (AWS_* variables, "
+                    "GOOGLE_APPLICATION_CREDENTIALS)") from e
   else:
     done = local_steps(run_dir)
   return join(run_dir, done[-1]) if done else None

@@ -118,7 +118,8 @@ class Builder:
         if hname in SPECIAL_FORMS:
           return getattr(self, "_sf_" + hname)(form, env)
       return self.call_form(form, env)
-    raise SxError("E-FORM-001", f"cannot evaluate `{form}`", location=form.loc, fix="")
+    raise SxError("E-FORM-001", f"cannot evaluate `{form}`", location=form.loc,
+                  fix="write a number, a string, a symbol, a vector or a call (F ARGS...)")
 
   def lookup(self, name: str, form: Form, env: Env) -> Any:
     try:
@@ -325,7 +326,8 @@ class Builder:
                       location=form.items[2].loc, fix="index within the vector")
       return batch[key]
     raise SxError("E-TYPE-001", f"get needs a batch (or a vector and an index); found "
-                  f"{describe(batch)}", location=form.items[1].loc, fix="(get batch :tokens)")
+                  f"{describe(batch)}", location=form.items[1].loc,
+                  fix="(get batch :tokens), or (get v 0) for a vector's first item")
 
   def _sf_tap(self, form: List, env: Env) -> Any:
     if len(form.items) != 3 or not (isinstance(form.items[1], Atom)

@@ -188,7 +188,7 @@ def _fold(op: OpDef, call: Call):
     return STATIC[op.name](*args)
   except (ValueError, OverflowError, ZeroDivisionError) as e:
     raise SxError("E-TYPE-001", f"{op.name} of {' '.join(map(str, args))}: {e}",
-                  location=call.loc, fix="check the static values") from None
+                  location=call.loc, fix=f"give {op.name} values it is defined for (check the knobs they come from)") from None
 
 
 def _declared(op: OpDef):

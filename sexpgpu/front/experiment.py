@@ -202,11 +202,11 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
     for name in decls:
       if name in passes:
         raise SxError("E-NAME-002", f"`{name}` names both a defpass and a {kind}",
-                      location=decls[name].loc, fix="rename one of them")
+                      location=decls[name].loc)
   for name in evals:
     if name in samples:
       raise SxError("E-NAME-002", f"`{name}` names both a defsample and a defeval",
-                    location=evals[name].loc, fix="rename one of them")
+                    location=evals[name].loc)
   return Experiment(program, selection, env, loaders, passes, samples, evals, curriculum, diags,
                     loss, data, optimizer, run, run_loc)
 

@@ -86,7 +86,7 @@ def _binary_node(b: Builder, call: Call, op: str, x, y, names) -> Any:
       return _FOLD2[op](x, y)
     except ZeroDivisionError:
       raise SxError("E-TYPE-001", f"{op}: division by zero", location=call.loc,
-                    fix="check the static values") from None
+                    fix=f"give {op} a divisor other than 0 (check the knobs it is computed from)") from None
   for v, nm in ((x, names[0]), (y, names[1])):
     if not is_tensor(v) and not _static_number(v):
       raise SxError("E-TYPE-001", f"{op} works on numbers and tensors; `{nm}` is {describe(v)}",

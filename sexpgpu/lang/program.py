@@ -173,7 +173,7 @@ def _collect(path: str, base_dir: str, forms: list[Form], loader: _Loader) -> Pr
       key = (space, name)
       if key in defined:
         raise SxError("E-NAME-002", f"`{name}` is defined twice (first at {defined[key]})",
-                      location=name_form.loc, fix="rename one of them")
+                      location=name_form.loc)
       defined[key] = name_form.loc
     if head == "defknob":
       knobs[name] = _parse_knob(form)

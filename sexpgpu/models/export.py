@@ -66,8 +66,7 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
       mamba.
   """
   if tokenizer and not os.path.isfile(tokenizer):
-    raise SxError("E-FORM-001", f"no tokenizer file {tokenizer}", where="--tokenizer",
-                  fix="give --tokenizer a tokenizer.json (sexpgpu tokenize writes one)")
+    raise SxError("E-TOK-002", f"no tokenizer file {tokenizer}", where="--tokenizer")
   try:
     if fmt == "safetensors":
       os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

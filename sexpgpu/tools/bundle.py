@@ -227,7 +227,8 @@ def open_bundle(path: str) -> tuple[str, str | None, list[tuple[str, str]]]:
   from sexpgpu.run.compile import cache_dir
   if not os.path.isfile(path):
     raise SxError("E-REQ-001", f"bundle `{path}` not found", where=path,
-                  fix="check the path; it is relative to the current directory")
+                  fix="check the path (relative to the current directory), or make the bundle "
+                  "with sexpgpu bundle FILE -o run.sxb")
   kind, members = _members(path)
   for name, plain in members:
     if _bad_member(name) or not plain:

@@ -28,12 +28,10 @@ def read_events(paths: list[str]) -> dict[str, list[dict]]:
     try:
       with open(path, "rb") as f:
         lines = f.read().decode("utf-8").splitlines()
-    except OSError as e:
-      raise SxError("E-METRICS-001", f"cannot read metrics file {path}: {e.strerror}",
-                    where=path, fix="give the jsonl file a run wrote with --metrics jsonl:PATH")
-    except UnicodeDecodeError as e:
-      raise SxError("E-METRICS-001", f"metrics file {path} is not text (byte {e.start} is no "
-                    "UTF-8)", where=path,
+    except (OSError, UnicodeDecodeError) as e:
+      why = (f"cannot read metrics file {path}: {e.strerror}" if isinstance(e, OSError) else
+             f"metrics file {path} is not text (byte {e.start} is no UTF-8)")
+      raise SxError("E-METRICS-001", why, where=path,
                     fix="give the jsonl file a run wrote with --metrics jsonl:PATH") from None
     for line in lines:
       try:

@@ -21,6 +21,7 @@ from sexpgpu.tools.textsources import Source, documents, expand, remote_fs, read
 # shards still land one group at a time.
 GROUP_BYTES = 8 << 20
 GROUP_FILES = max(2, os.cpu_count() or 2)
+_TOKENIZER_FILE = "pass the tokenizer.json file (saved by tokenizers or transformers)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ def load_tokenizer(path: str):
   if not os.path.isfile(path):
     raise SxError("E-TOK-002", f"--tokenizer {path}: no such file; tokenizers are not downloaded",
                   where="--tokenizer",
-                  fix="pass the tokenizer.json file (saved by tokenizers or transformers)")
+                  fix=_TOKENIZER_FILE)
   with open(path, "rb") as f:
     data = f.read()
   try:
@@ -99,7 +100,7 @@ def load_tokenizer(path: str):
   except Exception as e:  # pylint: disable=broad-except  # tokenizers raises bare Exception
     raise SxError("E-TOK-002", f"--tokenizer {path}: not a tokenizer.json ({e})",
                   where="--tokenizer",
-                  fix="pass the tokenizer.json file (saved by tokenizers or transformers)"
+                  fix=_TOKENIZER_FILE
                   ) from None
 
 
