@@ -19,7 +19,13 @@ if "xla_backend_optimization_level" not in BENCH_XLA_FLAGS:
 
 @pytest.fixture(autouse=True, scope="session")
 def _cache_dir(tmp_path_factory):
+  """Each worker its own sexpgpu cache (choices, links), and one XLA cache for the whole
+  session, shared by both workers and every run they start (JAX_COMPILATION_CACHE_DIR):
+  most modules compile the same few smoke programs, and a compile is most of a short run."""
   os.environ.setdefault("SEXPGPU_CACHE_DIR", str(tmp_path_factory.mktemp("sexpgpu-cache")))
+  base = tmp_path_factory.getbasetemp()
+  shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(shared / "xla-cache"))
   yield
 
 

@@ -124,6 +124,7 @@ def test_deterministic_processes_set_equal_flags_and_share_cache_hits(tmp_path, 
   tuned = {"jaxlib": "x", "results": "version: 3\n"} if resumed else None
   env = dict(os.environ, SEXPGPU_DETERMINISTIC="1", SEXPGPU_CACHE_DIR=str(tmp_path),
              XLA_FLAGS="")
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the suite's shared XLA cache: not this test's
   outs = []
   for _ in range(2):
     p = subprocess.run([sys.executable, "-c", _FLAGS_AND_CACHE, json.dumps(tuned)], cwd=ROOT,
@@ -135,6 +136,24 @@ def test_deterministic_processes_set_equal_flags_and_share_cache_hits(tmp_path, 
   assert ("--xla_gpu_load_autotune_results_from=" in outs[0]["flags"]) == resumed
   # the first compiles everything afresh; the second finds each of those programs cached
   assert outs[0]["hits"] == 0 and outs[1]["hits"] > 0
+
+
+def test_jaxs_own_cache_variable_moves_the_xla_cache(tmp_path):
+  """JAX_COMPILATION_CACHE_DIR, when set, is where the XLA cache goes (runs may share one);
+  the rest of the sexpgpu cache stays under SEXPGPU_CACHE_DIR."""
+  import json
+  import sys
+  env = dict(os.environ, SEXPGPU_CACHE_DIR=str(tmp_path / "sx"),
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"), XLA_FLAGS="")
+  env.pop("SEXPGPU_DETERMINISTIC", None)
+  hits = []
+  for _ in range(2):
+    p = subprocess.run([sys.executable, "-c", _FLAGS_AND_CACHE, "null"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    hits.append(json.loads(p.stdout.strip().splitlines()[-1])["hits"])
+  assert hits[0] == 0 and hits[1] > 0
+  assert os.listdir(tmp_path / "xla") and not (tmp_path / "sx" / "xla").exists()
 
 
 def test_autotuning_results_written_before_this_process_are_not_its_own(monkeypatch, tmp_path):

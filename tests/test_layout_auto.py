@@ -31,6 +31,7 @@ for name in ("first", "again"):
   build(c, place)  # the chosen layout builds
   out[name] = {{"sharding": str(c.exp.run["sharding"]), "how": ch.how, "lines": ch.lines(),
                "fits": [x.text for x in ch.candidates if not x.dropped],
+               "timed": {{x.text: x.measured for x in ch.candidates if x.measured}},
                "planned": ch.chosen.planned}}
 os.environ["SEXPGPU_MEMORY"] = "2400KiB"
 c = compile_file({path!r}, "smoke", [("sharding", "auto"), ("microbatches", "4")])
@@ -67,6 +68,11 @@ def test_auto_picks_a_layout_that_fits_and_says_why(auto):
   assert "runner-up" in text and "a device (plan)" in text and "model" in text
   # the smoke model's 2 key/value heads refuse tensor:4, and the line says so
   assert "dropped   tensor:4 — tensor:4 does not divide the 2 heads" in text
+  # host devices: every layout that fits was timed, and the fastest was chosen
+  assert first["how"] == "timed" and "each timed at the first steps" in text
+  assert len(first["timed"]) == min(6, len(first["fits"])) and set(first["timed"]) <= set(first["fits"])
+  assert first["timed"][first["sharding"]] == min(first["timed"].values())
+  assert text.count(", measured ") == min(4, len(first["timed"]))
 
 
 def test_choices_json_remembers_the_layout(auto):

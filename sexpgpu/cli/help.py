@@ -23,7 +23,8 @@ OTHER_VARIABLES = [
     ("SEXPGPU_MEMORY", "plan against this much device memory (40GiB)"),
     ("SEXPGPU_STACKING", "auto (default) or a fixed stacking degree"),
     ("SEXPGPU_PATTERNS", "on (default) or off: the IR rewrites"),
-    ("SEXPGPU_CACHE_DIR", "default ~/.cache/sexpgpu: choices, XLA cache, fetched data"),
+    ("SEXPGPU_CACHE_DIR", "default ~/.cache/sexpgpu: choices, XLA cache (unless "
+     "JAX_COMPILATION_CACHE_DIR), fetched data"),
     ("SEXPGPU_DETERMINISTIC", "1: bitwise-reproducible GPU runs (slower)"),
     ("SEXPGPU_CPU_COLLECTIVES", "gloo: a multi-node rehearsal on the cpu"),
     ("SEXPGPU_RENDEZVOUS_TIMEOUT", "seconds a node waits at the rendezvous (default 300)"),

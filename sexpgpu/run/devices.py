@@ -377,7 +377,9 @@ class CompileCounter:
     import jax
     if cls._instance is None:
       inst = cls()
-      xla_dir = os.path.join(cache, "xla")
+      # JAX's own variable, when set, keeps its meaning: several runs or jobs may share
+      # one XLA cache while each keeps its own sexpgpu cache (choices, links, bundles)
+      xla_dir = env.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache, "xla")
       try:
         os.makedirs(xla_dir, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", xla_dir)

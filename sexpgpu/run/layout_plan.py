@@ -39,7 +39,7 @@ from sexpgpu.lang.mesh import AUTO, is_auto
 from sexpgpu.run.links import Hardware
 
 SHOWN = 6  # dropped layouts listed one a line; the rest are counted
-LAYOUT_MODEL = 1  # kept with each remembered choice: a choice an older model made is redone
+LAYOUT_MODEL = 2  # kept with each remembered choice: a choice an older model made is redone
 ORDER = ("data", "fsdp", "expert", "tensor")  # outermost first: tensor inside a node
 CLOSE = 0.05
 TENSOR_SHARE = 24 / 34  # of a layer's activations, the part inside Megatron's pairs
@@ -74,6 +74,7 @@ class Candidate:
   memory: float = 0.0
   parts: dict = dataclasses.field(default_factory=dict)
   compute: float = 0.0
+  update: float = 0.0  # the optimizer's pass over the state a device holds
   collectives: list = dataclasses.field(default_factory=list)
   dropped: str | None = None
   planned: float | None = None  # the compiled memory plan's bytes, when it was compiled
@@ -97,7 +98,7 @@ class Candidate:
 
   @property
   def time(self) -> float:
-    return self.compute + self.comm
+    return self.compute + self.update + self.comm
 
 
 @dataclasses.dataclass
@@ -126,7 +127,9 @@ class LayoutChoice:
     """The report's lines: the choice, its runners-up, and why the rest were dropped."""
     c = self.chosen
     how = {"model": "the cost model", "measured": "measured at the first steps, the model "
-           "within 5% could not separate them", "remembered": "measured by an earlier run of "
+           "within 5% could not separate them", "timed": "each timed at the first steps (on host "
+           "devices sharing the machine's cores the cost model cannot rank layouts)",
+           "remembered": "measured by an earlier run of "
            "this graph on these devices (choices.json)", "only": "the only one that fits"}[
                self.how]
     out = [f"  layout      {c.name}: {how} ({self.hardware.name}, {self.hardware.source}; "
@@ -149,10 +152,11 @@ class LayoutChoice:
     return out
 
   def ranked(self) -> list[Candidate]:
-    """The candidates that fit, the chosen first, then by predicted time."""
+    """The candidates that fit, the chosen first, then the timed by their time, then the rest
+    by predicted time."""
     fit = [x for x in self.candidates if not x.dropped]
     return [self.chosen] + sorted((x for x in fit if x is not self.chosen),
-                                  key=lambda x: x.time)
+                                  key=lambda x: (x.measured is None, x.measured or x.time))
 
   def collective_lines(self, cand: Candidate | None = None) -> list[str]:
     """Each collective of the chosen layout's step: axis, kind, bytes, count, link, time."""
@@ -170,7 +174,7 @@ def _row(c: Candidate, choice: LayoutChoice) -> str:
   how = "plan" if c.planned is not None else "model"
   meas = f", measured {_ms(c.measured)}" if c.measured else ""
   return (f"{c.name} — {memory} a device ({how}), model {_ms(c.time)} "
-          f"(compute {_ms(c.compute)}, collectives {_ms(c.comm)}), MFU "
+          f"(compute {_ms(c.compute)}, update {_ms(c.update)}, collectives {_ms(c.comm)}), MFU "
           f"{100 * choice.mfu(c):.0f}%{meas}")
 
 
@@ -335,6 +339,10 @@ def estimate(c, cand: Candidate, hw: Hardware, nodes: int, facts: dict, pairs, s
   if cand.remat and facts["repeats"]:
     flops += forward_flops(graph) * microbatches
   cand.compute = flops / devices / hw.peak_at(precision)
+  # the update reads the parameters, gradients and optimizer states a device holds and
+  # writes the parameters and states back: memory-bound, and the same on every device of a
+  # replicated layout (what splitting the state saves in time, not only in bytes)
+  cand.update = (2 * (p_dev + o_dev) + g_dev) / hw.hbm
   # each data rank (data × fsdp × expert) runs K / ranks microbatches
   ranks = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
   k_dev = max(1, microbatches // ranks)
@@ -490,8 +498,8 @@ def paper_text(c, choice: LayoutChoice, gpu: str) -> str:
            f"{choice.tokens // int(c.exp.run['microbatches'])} tokens a step; from the graph, "
            "nothing compiled)"]
   lines += choice.lines()
-  lines.append(f"  memory      {mem.human(c_.memory)} a device of {mem.human(choice.hardware.memory)}: "
-               + ", ".join(f"{k} {mem.human(v)}" for k, v in c_.parts.items()))
+  lines.append(f"  memory      {mem.human(c_.memory)} a device of "
+               f"{mem.human(choice.hardware.memory)}: " + ", ".join(f"{k} {mem.human(v)}" for k, v in c_.parts.items()))
   lines.append("  collectives (a step, a device; ring bytes, nothing overlapped)")
   lines += choice.collective_lines()
   lines.append(f"  estimate    step {_ms(t)}, {tokens:,.0f} tokens/s a GPU, MFU "

@@ -15,7 +15,7 @@ import os
 
 from sexpgpu.paths import read_json_object, write_atomic
 
-LINKS_VERSION = 1
+LINKS_VERSION = 2  # 2: the devices' copy rate (hbm) measured with the others copying too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,8 @@ class Hardware:
   Attributes:
     name: the table's name (`H100`, or `cpu:<kind> x4` for measured host devices).
     peak: dense flop/s at bf16 (a GPU; f32 runs take half) or as measured (host).
-    hbm: memory bandwidth, bytes/s.
+    hbm: memory bandwidth, bytes/s one device reads and writes (host devices: while the
+      others copy too, since they share the machine's memory).
     memory: bytes one device holds.
     within, across: (bytes/s, seconds a collective) inside a node and between nodes.
     per_node: devices a node holds.
@@ -70,11 +71,12 @@ def gpu(name: str) -> Hardware:
 
 def measure_host(devices) -> dict[str, float]:
   """The host devices' link, timed: an all-reduce of 4 MiB a device (bandwidth) and of 8
-  floats (latency) over every device, and their matmul rate when all run at once.
+  floats (latency) over every device, and their matmul and copy rates when all run at once.
 
   Returns:
     {"bandwidth": bytes/s a device sends, "latency": seconds a collective, "flops": flop/s
-    one device reaches while the others compute too}.
+    one device reaches while the others compute too, "copy": bytes/s one device reads and
+    writes while the others copy too}.
   """
   import jax
   import jax.numpy as jnp
@@ -98,18 +100,21 @@ def measure_host(devices) -> dict[str, float]:
                                     x.reshape(n, side, side)).reshape(n * side, side),
                out_shardings=NamedSharding(mesh, P("d")))
   t_mm = best(mm, mats)
+  # an optimizer's update is such a pass over the state: read, scale, write
+  scale = jax.jit(lambda x: x * 0.5 + 1.0, out_shardings=NamedSharding(mesh, P("d")))
+  words = 4 << 20
+  t_copy = best(scale, put(jnp.ones((n, words), jnp.float32)))
   return {"bandwidth": moved / max(t_big - t_small, 1e-9), "latency": t_small,
-          "flops": 2 * side ** 3 / max(t_mm, 1e-9)}
+          "flops": 2 * side ** 3 / max(t_mm, 1e-9), "copy": 2 * 4 * words / max(t_copy, 1e-9)}
 
 
-def host(devices, cache_dir: str | None, hbm: float, memory: float) -> Hardware:
+def host(devices, cache_dir: str | None, memory: float) -> Hardware:
   """This machine's host devices as a Hardware: measured once per device kind and count,
   remembered in `<cache>/links.json` with jax's version (delete it to measure again).
 
   Args:
     devices: the run's devices (XLA host devices).
     cache_dir: where links.json is kept (None: measured every time).
-    hbm: the devices' memory bandwidth (the stacking model's measured copy rate).
     memory: bytes a device may hold (the memory plan's free memory).
   """
   import jax
@@ -117,7 +122,7 @@ def host(devices, cache_dir: str | None, hbm: float, memory: float) -> Hardware:
   name = f"{d.platform}:{getattr(d, 'device_kind', '')} x{len(devices)}"
   path = os.path.join(cache_dir, "links.json") if cache_dir else None
   known = read_json_object(path).get(name) if path else None
-  keys = ("bandwidth", "latency", "flops")
+  keys = ("bandwidth", "latency", "flops", "copy")
   if (isinstance(known, dict) and known.get("version") == LINKS_VERSION
       and known.get("jax") == jax.__version__
       and all(isinstance(known.get(k), (int, float)) for k in keys)):
@@ -129,4 +134,4 @@ def host(devices, cache_dir: str | None, hbm: float, memory: float) -> Hardware:
       data[name] = dict(got, version=LINKS_VERSION, jax=jax.__version__)
       write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
   link = (got["bandwidth"], got["latency"])
-  return Hardware(name, got["flops"], hbm, memory, link, link, len(devices), source)
+  return Hardware(name, got["flops"], got["copy"], memory, link, link, len(devices), source)
