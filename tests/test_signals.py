@@ -186,7 +186,7 @@ def test_stop_waits_for_an_import_to_finish(tmp_path, monkeypatch):
 
 
 # In a fresh interpreter, where a collection runs only this callback (in a long-lived pytest
-# worker it also runs weakref callbacks, whose frames the stop cannot tell apart).
+# worker it also runs weakref callbacks, the case of the test above).
 _GC_STOP = """
 import gc, signal, sys, time
 from sexpgpu.run import signals
@@ -205,6 +205,40 @@ try:
 except signals.Stopped as e:
   print("stopped", e.exit_code, ran)
 """
+
+
+# A weakref callback run by a collection: its frame is like any other, so the stop is raised
+# there, dropped by Python (sys.unraisablehook), armed again and raised after it.
+_WEAKREF_STOP = """
+import gc, signal, sys, time, weakref
+from sexpgpu.run import signals
+class Node:
+  pass
+ran = []
+def callback(ref):
+  ran.append("weakref")
+  signal.raise_signal(signal.SIGTERM)
+flag = signals.Flag()
+flag.install(raising=True)
+gc.disable()
+node = Node()
+node.me = node  # a cycle: only a collection frees it
+ref = weakref.ref(node, callback)
+del node
+try:
+  gc.collect()
+  time.sleep(1.0)  # the re-armed stop raises here
+  print("not stopped", ran)
+except signals.Stopped as e:
+  print("stopped", e.exit_code, ran)
+"""
+
+
+def test_a_stop_dropped_in_a_weakref_callback_is_raised_again():
+  p = subprocess.run([sys.executable, "-c", _WEAKREF_STOP], cwd=ROOT, capture_output=True,
+                     text=True, timeout=120)
+  assert p.stdout.split() == ["stopped", "143", "['weakref']"], p.stdout + p.stderr
+  assert "Exception ignored" not in p.stderr, p.stderr
 
 
 def test_a_stop_inside_a_gc_callback_is_not_dropped():
@@ -237,7 +271,8 @@ def _cold_run(tmp_path, tag):
     p = _spawn_blocked(
         sexpgpu_cmd("run", "configs/tiny-lm.sx", "--variant", "smoke", "--steps", "100000",
                     "--eval-every", "5", "--status", str(status)),
-        env={**os.environ, "SEXPGPU_CACHE_DIR": str(cache)},
+        env={**{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+             "SEXPGPU_CACHE_DIR": str(cache)},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   finally:
     signal.signal(signal.SIGINT, old_int)

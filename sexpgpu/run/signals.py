@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -55,6 +56,7 @@ class Flag:
     self.raising = False
     self.taken = threading.Event()  # set when start-up has raised Stopped
     self._old: dict[int, object] = {}
+    self._old_hook = None
 
   @property
   def name(self) -> str | None:
@@ -113,8 +115,20 @@ class Flag:
       if old is not signal.SIG_IGN:
         signal.signal(s, self._handle)
     self._old[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._retry)
+    self._old_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
     signal.pthread_sigmask(signal.SIG_UNBLOCK, list(SIGNALS))
     return True
+
+  def _unraisable(self, unraisable) -> None:
+    # A Stopped raised where Python can only print and drop an exception (a weakref callback
+    # run by a collection, whose frame looks like any other; a finalizer): the stop is armed
+    # again and raised from the next place that can raise it.
+    if isinstance(unraisable.exc_value, Stopped) and self.received is not None:
+      self.raising = True
+      self.taken.clear()
+      signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
+      return
+    (self._old_hook or sys.__unraisablehook__)(unraisable)
 
   def restore(self) -> None:
     """Puts back the handlers that were there before install()."""
@@ -122,6 +136,9 @@ class Flag:
     for s, old in self._old.items():
       signal.signal(s, old)
     self._old.clear()
+    if self._old_hook is not None and sys.unraisablehook == self._unraisable:
+      sys.unraisablehook = self._old_hook
+    self._old_hook = None
     self.raising = False
 
   def check(self) -> None:
