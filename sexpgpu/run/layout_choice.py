@@ -101,12 +101,12 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
   host = place.first.platform == "cpu" and nodes == 1
   wanted = HOST_TIMED if host else 2  # the best two that fit are what a measurement needs
   # the memory plan, compiled, confirms the best candidates until those to time fit
-  fitting = []
+  fitting, built = [], {}
   known = [x for x in cands if x.text == remembered and not x.dropped]
   for cand in known or sorted((x for x in cands if not x.dropped), key=lambda x: x.time):
     if len(fitting) == wanted:
       break
-    p, _ = _memory_plan(c, place, cand.text, cache_dir)
+    p, built[cand.text] = _memory_plan(c, place, cand.text, cache_dir)
     cand.planned = p.plan.total
     if not p.plan.fits:
       cand.dropped = f"does not fit by the memory plan: {p.plan.text()}"
@@ -121,8 +121,8 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
     how = "only"
   elif (host and len(fitting) > 1) or (len(close) == 2 and nodes == 1):
     timed = fitting if host else close
-    for cand in timed:
-      cand.measured = _time(build_for(c, place, cand.text), c, place)
+    for cand in timed:  # each Training keeps the step its memory plan compiled
+      cand.measured = _time(built[cand.text], c, place)
     best = min(timed, key=lambda x: x.measured)
     how = "timed" if host else "measured"
     cache.put_layout(c.graph_fingerprint, name, best.text, LAYOUT_MODEL,
@@ -142,10 +142,4 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
   return choice
 
 
-def build_for(c, place, text: str):
-  """The Training of the experiment under another `:sharding` (for timing a candidate)."""
-  from sexpgpu.run.training import build
-  return build(_with_sharding(c, text), place)
-
-
-__all__ = ["build_for", "resolve"]
+__all__ = ["resolve"]
