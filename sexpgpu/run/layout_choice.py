@@ -43,24 +43,50 @@ def _memory_plan(c, place, text: str, cache_dir: str):
                      cache_dir), training
 
 
-def _time(training, c, place, runs: int = 6) -> float:
-  """The fastest of `runs` steps of a layout on zero batches (the first compiles; the
-  fastest of the rest is the least disturbed by whatever else the machine runs)."""
+def _time(trainings: dict, planned: dict, c, place, free: float, rounds: int = 3,
+          steps: int = 2) -> dict:
+  """Each layout's fastest step on zero batches, {text: seconds}: after a first step each
+  (warm), `rounds` rounds in a rotating order of `steps` steps a layout, so that a burst of
+  other work on the machine falls on every layout alike. When their memory plans' bytes
+  (`planned`, by text) together exceed `free`, one layout at a time, each freed before the
+  next."""
   import jax
   import numpy as np
   from sexpgpu.ir.shapes import np_dtype as npd
-  k = training.k
-  state = training.init_state()
-  host = {f: np.zeros((k,) + sh, npd(dt)) for f, (dt, sh) in c.fields[c.stages[0].data].items()}
-  batches = place.shard(host, k)
-  step = training.step(0, k // training.ranks)
-  best = float("inf")
-  for i in range(runs):
-    t = time.perf_counter()
-    state, m = step(state, batches)
-    jax.block_until_ready(m)
-    if i:
-      best = min(best, time.perf_counter() - t)
+  fields = c.fields[c.stages[0].data]
+
+  def start(training):
+    k = training.k
+    host = {f: np.zeros((k,) + sh, npd(dt)) for f, (dt, sh) in fields.items()}
+    return [training.step(0, k // training.ranks), training.init_state(), place.shard(host, k)]
+
+  def run(live, text, n):
+    step, state, batches = live
+    for _ in range(n):
+      t = time.perf_counter()
+      state, m = step(state, batches)
+      jax.block_until_ready(m)
+      best[text] = min(best.get(text, float("inf")), time.perf_counter() - t)
+    live[1] = state
+
+  best: dict = {}
+  texts = list(trainings)
+  together = sum(planned.values()) <= free
+  if not together:
+    for text in texts:
+      live = start(trainings[text])
+      run(live, text, 1)
+      best.pop(text)  # the first step may have waited on memory or a lazy compile
+      run(live, text, rounds * steps)
+      del live
+    return best
+  lives = {text: start(trainings[text]) for text in texts}
+  for text in texts:
+    run(lives[text], text, 1)
+  best.clear()
+  for r in range(rounds):
+    for text in texts[r % len(texts):] + texts[:r % len(texts)]:
+      run(lives[text], text, steps)
   return best
 
 
@@ -121,8 +147,11 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
     how = "only"
   elif (host and len(fitting) > 1) or (len(close) == 2 and nodes == 1):
     timed = fitting if host else close
-    for cand in timed:  # each Training keeps the step its memory plan compiled
-      cand.measured = _time(built[cand.text], c, place)
+    # each Training keeps the step its memory plan compiled
+    seconds = _time({x.text: built[x.text] for x in timed}, {x.text: x.planned for x in timed},
+                    c, place, free)
+    for cand in timed:
+      cand.measured = seconds[cand.text]
     best = min(timed, key=lambda x: x.measured)
     how = "timed" if host else "measured"
     cache.put_layout(c.graph_fingerprint, name, best.text, LAYOUT_MODEL,
