@@ -375,19 +375,16 @@ def _blocks(graph) -> int:
   return sum(int(n.attr("n")) for n in graph.nodes() if n.op == "repeat") or 1
 
 
-def candidates(c, devices: int, nodes: int, hw: Hardware, free: float, remats=None,
-               built_only: bool = True) -> tuple:
+def candidates(c, devices: int, nodes: int, hw: Hardware, free: float, remats=None) -> tuple:
   """Every layout the device count allows, estimated, those that cannot run dropped.
 
   Args:
     c: the Compiled experiment.
-    devices, nodes: the devices the run spans (nodes > 1: only replicate, fsdp and hsdp,
-      the layouts built over nodes).
+    devices, nodes: the devices the run spans (a mesh over nodes puts its first axes across
+      them: `_link` says which link each axis crosses).
     hw: the devices and links.
     free: bytes a device may use.
     remats: the remat settings to consider (default: both when the graph repeats a block).
-    built_only: over nodes, only the layouts a run builds there (on paper: every mesh, with
-      `tensor` and `expert` inside a node where they fit).
 
   Returns:
     (candidates, facts): every Candidate, dropped ones with their reason.
@@ -402,11 +399,7 @@ def candidates(c, devices: int, nodes: int, hw: Hardware, free: float, remats=No
   precision = str(c.exp.run["precision"])
   if remats is None:
     remats = (False, True) if facts["repeats"] else (False,)
-  if nodes > 1 and built_only:  # meshes over nodes are not built: replicate, fsdp over all, hsdp
-    per = devices // nodes
-    grid = [(("data", devices),), (("fsdp", devices),), (("data", nodes), ("fsdp", per))]
-  else:
-    grid = meshes(devices, bool(pairs.experts))
+  grid = meshes(devices, bool(pairs.experts))
   out = []
   for mesh in grid:
     for remat in remats:
@@ -460,7 +453,7 @@ def paper(c, gpu: str, devices: int, nodes: int = 1) -> LayoutChoice:
   hw = dataclasses.replace(hw, per_node=devices // nodes)
   free = hw.memory - mem.RESERVE
   sharding = str(c.exp.run.get("sharding", "replicate"))
-  cands, _ = candidates(c, devices, nodes, hw, free, built_only=False)
+  cands, _ = candidates(c, devices, nodes, hw, free)
   if not is_auto(sharding):  # a fixed layout on paper: only it
     want = "replicate" if sharding == "replicate" else sharding
     mine = [x for x in cands if x.text == want or (sharding == "fsdp" and x.text ==
