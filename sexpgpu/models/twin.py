@@ -20,8 +20,9 @@ import numpy as np
 
 from sexpgpu.errors import SxError
 from sexpgpu.models import twin_families as families
-from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _differ_from_defaults, _layers,
-                                      _literal, _scope_nodes, rotary)
+from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _layers,
+                                      _literal, _scope_nodes, llama_shaped_problems, rotary,
+                                      LLAMA_ATTENTION)
 
 FIX = ("build the model with (gpt2 tokens ...) from (require std/gpt2), (llama tokens ...) "
        "from (require std/llama), (mixtral tokens ...) from (require std/mixtral) or (mamba "
@@ -147,12 +148,7 @@ def token_ids(tokenizer: str, vocab: int) -> dict[str, int | None]:
 LLAMA_TOP = {"embed_tokens": ("model.embed_tokens.weight", False),
              "norm/scale": ("model.norm.weight", False), "lm_head/w": ("lm_head.weight", True)}
 LLAMA_BLOCK = {
-    "input_layernorm/scale": ("input_layernorm.weight", False),
-    "self_attn/q_proj/w": ("self_attn.q_proj.weight", True),
-    "self_attn/k_proj/w": ("self_attn.k_proj.weight", True),
-    "self_attn/v_proj/w": ("self_attn.v_proj.weight", True),
-    "self_attn/o_proj/w": ("self_attn.o_proj.weight", True),
-    "post_attention_layernorm/scale": ("post_attention_layernorm.weight", False),
+    **LLAMA_ATTENTION,
     "mlp/gate_proj/w": ("mlp.gate_proj.weight", True),
     "mlp/up_proj/w": ("mlp.up_proj.weight", True),
     "mlp/down_proj/w": ("mlp.down_proj.weight", True),
@@ -197,15 +193,9 @@ def _llama(root: str, params: dict, graph) -> Twin:
 
 
 def _llama_config_problems(t: Twin, theirs: dict) -> list[str]:
-  ours = t.config
-  out = _differ(theirs, ours, ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads",
-                               "max_position_embeddings"))
-  defaults = {"num_key_value_heads": theirs.get("num_attention_heads"), "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
-              "mlp_bias": False, "rope_scaling": None,
-              "head_dim": ours["hidden_size"] // max(ours["num_attention_heads"] or 1, 1)}
-  return out + _differ_from_defaults(theirs, ours, defaults)
+  return llama_shaped_problems(theirs, t.config, {
+      "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
+      "mlp_bias": False, "rope_scaling": None})
 
 
 # kind → (two paths under the model's root that say it is that kind, its twin, its config's

@@ -46,6 +46,31 @@ def _differ(theirs: dict, ours: dict, keys) -> list[str]:
           if theirs.get(k) != ours[k]]
 
 
+# A llama-shaped block's norms and attention (llama's, mixtral's): .sx path under the block
+# → (the Hugging Face name under `model.layers.N.`, whether it is stored transposed).
+LLAMA_ATTENTION = {
+    "input_layernorm/scale": ("input_layernorm.weight", False),
+    "self_attn/q_proj/w": ("self_attn.q_proj.weight", True),
+    "self_attn/k_proj/w": ("self_attn.k_proj.weight", True),
+    "self_attn/v_proj/w": ("self_attn.v_proj.weight", True),
+    "self_attn/o_proj/w": ("self_attn.o_proj.weight", True),
+    "post_attention_layernorm/scale": ("post_attention_layernorm.weight", False),
+}
+
+# The sizes a llama-shaped config.json (llama's, mixtral's) must give exactly as here.
+LLAMA_SIZES = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "max_position_embeddings")
+
+
+def llama_shaped_problems(theirs: dict, ours: dict, defaults: dict) -> list[str]:
+  """What of a llama-shaped config.json differs from the model here: its sizes exactly, and
+  the keys it may leave out against the family's `defaults` (the key/value heads default
+  to the heads, the head's width to the width over the heads)."""
+  defaults = {"num_key_value_heads": theirs.get("num_attention_heads"), **defaults,
+              "head_dim": ours["hidden_size"] // max(ours["num_attention_heads"] or 1, 1)}
+  return _differ(theirs, ours, LLAMA_SIZES) + _differ_from_defaults(theirs, ours, defaults)
+
+
 def _differ_from_defaults(theirs: dict, ours: dict, defaults: dict) -> list[str]:
   """Keys a config.json may leave out, each read with the twin's default when it does.
 

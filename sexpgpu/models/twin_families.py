@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 
-from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _differ_from_defaults, _layers,
-                                      _literal, _scope_nodes, rotary)
+from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _layers,
+                                      _literal, _scope_nodes, llama_shaped_problems, rotary,
+                                      LLAMA_ATTENTION)
 
 FIX = ("build the model with (mixtral tokens ...) from (require std/mixtral) or (mamba tokens "
        "...) from (require std/mamba), or export with --format safetensors, which keeps every "
@@ -25,12 +26,7 @@ FIX = ("build the model with (mixtral tokens ...) from (require std/mixtral) or 
 
 MIXTRAL_SCOPE = "layers/mixtral-block/"
 MIXTRAL_BLOCK = {
-    "input_layernorm/scale": ("input_layernorm.weight", False),
-    "self_attn/q_proj/w": ("self_attn.q_proj.weight", True),
-    "self_attn/k_proj/w": ("self_attn.k_proj.weight", True),
-    "self_attn/v_proj/w": ("self_attn.v_proj.weight", True),
-    "self_attn/o_proj/w": ("self_attn.o_proj.weight", True),
-    "post_attention_layernorm/scale": ("post_attention_layernorm.weight", False),
+    **LLAMA_ATTENTION,
     "block_sparse_moe/gate/w": ("block_sparse_moe.gate.weight", True),
 }
 MIXTRAL_EXPERTS = {"block_sparse_moe/experts/w1": "w1", "block_sparse_moe/experts/w3": "w3",
@@ -86,15 +82,9 @@ def mixtral(root: str, params: dict, graph) -> Twin:
 
 def mixtral_config_problems(t: Twin, theirs: dict) -> list[str]:
   """What of a Mixtral config.json differs from the model here."""
-  ours = t.config
-  out = _differ(theirs, ours, ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads",
-                               "max_position_embeddings"))
-  defaults = {"num_key_value_heads": theirs.get("num_attention_heads"), "rms_norm_eps": 1e-5,
-              "rope_theta": 1e6, "hidden_act": "silu", "num_local_experts": 8,
-              "num_experts_per_tok": 2, "sliding_window": None, "tie_word_embeddings": False,
-              "head_dim": ours["hidden_size"] // max(ours["num_attention_heads"] or 1, 1)}
-  return out + _differ_from_defaults(theirs, ours, defaults)
+  return llama_shaped_problems(theirs, t.config, {
+      "rms_norm_eps": 1e-5, "rope_theta": 1e6, "hidden_act": "silu", "num_local_experts": 8,
+      "num_experts_per_tok": 2, "sliding_window": None, "tie_word_embeddings": False})
 
 
 # --- Mamba ----------------------------------------------------------------------------------
