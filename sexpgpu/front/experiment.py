@@ -337,12 +337,11 @@ def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
   return PassDecl(name, data, every, int(batches), metrics, form.loc)
 
 
-def _model_pass(b: Builder, form: List, env: Env, kind: str, allowed: tuple, required: tuple,
-                example: str, fn_fix: str) -> tuple[str, dict, Closure]:
-  """A defsample's or defeval's name, keywords and :fn (a named defn), each required keyword
-  there; `example` is the form written right, `{name}` standing for its name."""
+def _model_pass(b: Builder, form: List, env: Env, kws: dict, kind: str, required: tuple,
+                example: str, fn_fix: str) -> tuple[str, Closure]:
+  """A defsample's or defeval's name and :fn (a named defn), each required keyword among
+  its `kws`; `example` is the form written right, `{name}` standing for its name."""
   name = str(form.items[1].value)
-  _, kws, _ = split_keywords(form, 2, allowed, kind)
   for req in required:
     if req not in kws:
       raise SxError("E-FORM-001", f"{kind} {name} needs :{req}", location=form.loc,
@@ -351,14 +350,15 @@ def _model_pass(b: Builder, form: List, env: Env, kind: str, allowed: tuple, req
   if not isinstance(fn, Closure) or fn.name is None:
     raise SxError("E-TYPE-001", f"{kind} {name} :fn `{kws['fn']}` is not a function",
                   location=kws["fn"].loc, fix=fn_fix)
-  return name, kws, fn
+  return name, fn
 
 
 def _sample(b: Builder, form: List, env: Env) -> SampleDecl:
-  name, kws, fn = _model_pass(
-      b, form, env, "defsample",
-      ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
-      ("fn", "prompts", "every"),
+  _, kws, _ = split_keywords(
+      form, 2, ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
+      "defsample")
+  name, fn = _model_pass(
+      b, form, env, kws, "defsample", ("fn", "prompts", "every"),
       '(defsample {name} :fn lm :prompts ["Once upon"] :tokens 64 :every 500)',
       "name a defn of tokens [b t] that returns logits")
   prompts = _static(b, kws["prompts"], env, ":prompts")
@@ -378,9 +378,11 @@ def _sample(b: Builder, form: List, env: Env) -> SampleDecl:
 
 
 def _eval(b: Builder, form: List, env: Env, base_dir: str) -> EvalDecl:
-  name, kws, fn = _model_pass(
-      b, form, env, "defeval", ("fn", "tasks", "every", "batch", "limit", "tokenizer"),
-      ("fn", "tasks", "every"), '(defeval {name} :fn lm :tasks ["data/choice.jsonl"] :every 500)',
+  _, kws, _ = split_keywords(form, 2, ("fn", "tasks", "every", "batch", "limit", "tokenizer"),
+                             "defeval")
+  name, fn = _model_pass(
+      b, form, env, kws, "defeval", ("fn", "tasks", "every"),
+      '(defeval {name} :fn lm :tasks ["data/choice.jsonl"] :every 500)',
       "name a defn of tokens [b t] that returns logits (with :segments and :positions "
       "keywords its requests are packed)")
   tasks_form = kws["tasks"]
