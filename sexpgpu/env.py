@@ -392,7 +392,8 @@ def parse_step_range(value: str | None, where: str = "SEXPGPU_PROFILE") -> tuple
   return lo, hi
 
 
-# Each variable that parses on its own: name → parser of its text (None when unset).
+# Each variable that parses on its own: name → parser of its text (None when unset). JAX's
+# JAX_COMPILATION_CACHE_DIR is among them: a run honours it (the XLA cache's folder).
 # SEXPGPU_DEVICES and the node variables need the device; `check_variables` adds them.
 VARIABLES: dict[str, Callable[[str | None], Any]] = {
     "SEXPGPU_DEVICE": parse_device,
@@ -409,13 +410,14 @@ VARIABLES: dict[str, Callable[[str | None], Any]] = {
     "SEXPGPU_METRICS": parse_metrics,
     "SEXPGPU_PROFILE": parse_step_range,
     "SEXPGPU_CACHE_DIR": check_cache_value,
+    "JAX_COMPILATION_CACHE_DIR": lambda v: check_cache_value(v, "JAX_COMPILATION_CACHE_DIR"),
     "SEXPGPU_DECODE": lambda v: parse_choice("SEXPGPU_DECODE", v, ("recompute",)),
 }
 
 
 def variable_errors(env: Mapping[str, str] | None = None,
                     device: str | None = None) -> list[tuple[str, SxError]]:
-  """(variable, its error) for each SEXPGPU_* variable of `env` that does not parse.
+  """(variable, its error) for each variable of `env` (`VARIABLES`) that does not parse.
 
   With `device`, SEXPGPU_DEVICES's syntax and the node variables are checked too.
   """
@@ -437,7 +439,7 @@ def variable_errors(env: Mapping[str, str] | None = None,
 
 
 def check_variables(env: Mapping[str, str] | None = None, device: str | None = None) -> None:
-  """Raises the first SEXPGPU_* variable's error (see `variable_errors`), before anything runs."""
+  """Raises the first variable's error (see `variable_errors`), before anything runs."""
   errors = variable_errors(env, device)
   if errors:
     raise errors[0][1]

@@ -46,8 +46,16 @@ def cache_dir(environ: Mapping[str, str] | None = None, check: bool | None = Non
 
 
 _USABLE: set[str] = set()  # cache folders already made and written to by this process
-_CACHE_FIX = ("point SEXPGPU_CACHE_DIR at a local folder you can write (it is made if "
-              "missing), or unset it for ~/.cache/sexpgpu")
+# The variables that name a cache folder, and the fix for each. JAX's own variable moves
+# only the XLA cache; JAX reads a remote one itself (through etils), so only SEXPGPU_CACHE_DIR
+# must be local.
+_CACHE_FIXES = {
+    "SEXPGPU_CACHE_DIR": "point SEXPGPU_CACHE_DIR at a local folder you can write (it is "
+                         "made if missing), or unset it for ~/.cache/sexpgpu",
+    "JAX_COMPILATION_CACHE_DIR": "point JAX_COMPILATION_CACHE_DIR at a folder you can write "
+                                 "(it is made if missing), or unset it for the XLA cache "
+                                 "under SEXPGPU_CACHE_DIR",
+}
 
 
 def cache_problem(folder: str) -> str | None:
@@ -80,32 +88,38 @@ def _shown_location(folder: str) -> str:
   return ascii(shown)[1:-1] if len(shown) <= 120 else ascii(shown[:120])[1:-1] + "..."
 
 
-def check_cache_value(folder: str | None) -> None:
-  """SEXPGPU_CACHE_DIR checked as the variable checks do: nothing is made or written.
+def _jaxs_remote(folder: str, name: str) -> bool:
+  return name == "JAX_COMPILATION_CACHE_DIR" and ("://" in folder or is_remote(folder))
+
+
+def check_cache_value(folder: str | None, name: str = "SEXPGPU_CACHE_DIR") -> None:
+  """A cache folder variable (`name`) checked as the variable checks do: nothing is made or
+  written.
 
   Raises:
-    SxError: E-ENV-001 naming SEXPGPU_CACHE_DIR, for what `cache_problem` finds.
+    SxError: E-ENV-001 naming the variable, for what `cache_problem` finds.
   """
-  why = cache_problem(folder) if folder else None
+  why = cache_problem(folder) if folder and not _jaxs_remote(folder, name) else None
   if why is not None:
-    raise SxError("E-ENV-001", f"SEXPGPU_CACHE_DIR={_shown_location(folder)} {why}",
-                  where="SEXPGPU_CACHE_DIR", fix=_CACHE_FIX)
+    raise SxError("E-ENV-001", f"{name}={_shown_location(folder)} {why}", where=name,
+                  fix=_CACHE_FIXES[name])
 
 
-def usable_cache_dir(folder: str) -> str:
-  """`folder`, once it is known to be a local folder this process can write in.
+def usable_cache_dir(folder: str, name: str = "SEXPGPU_CACHE_DIR") -> str:
+  """`folder`, once it is known to be a folder this process can write in.
 
   It is made if missing, and a probe file is written to it and removed (a folder such as
-  /proc/self exists but takes no file, even for root), once per process and folder.
+  /proc/self exists but takes no file, even for root), once per process and folder. A
+  remote JAX_COMPILATION_CACHE_DIR is JAX's to reach, and is returned as it is.
 
   Raises:
-    SxError: E-ENV-001 naming SEXPGPU_CACHE_DIR and why: a remote location, a NUL, a name
-      that is not UTF-8, or a path that is a file, lies under a file, or cannot be made
-      or written.
+    SxError: E-ENV-001 naming the variable (`name`) and why: a remote location (for
+      SEXPGPU_CACHE_DIR), a NUL, a name that is not UTF-8, or a path that is a file, lies
+      under a file, or cannot be made or written.
   """
-  if folder in _USABLE:
+  if folder in _USABLE or _jaxs_remote(folder, name):
     return folder
-  check_cache_value(folder)
+  check_cache_value(folder, name)
   try:
     os.makedirs(folder, exist_ok=True)
     fd, probe = tempfile.mkstemp(dir=folder, prefix=".sexpgpu-probe-")
@@ -113,8 +127,8 @@ def usable_cache_dir(folder: str) -> str:
     os.unlink(probe)
   except OSError as e:
     why = e.strerror or str(e) or type(e).__name__
-    raise SxError("E-ENV-001", f"SEXPGPU_CACHE_DIR={_shown_location(folder)} cannot be the "
-                  f"cache folder: {why}", where="SEXPGPU_CACHE_DIR", fix=_CACHE_FIX) from None
+    raise SxError("E-ENV-001", f"{name}={_shown_location(folder)} cannot be the cache "
+                  f"folder: {why}", where=name, fix=_CACHE_FIXES[name]) from None
   _USABLE.add(folder)
   return folder
 

@@ -111,7 +111,8 @@ def test_a_switch_is_0_or_1_never_ignored(name):
 def test_every_parsed_variable_is_checked_by_run():
   bad = {name: {"SEXPGPU_MEMORY": "lots", "SEXPGPU_RENDEZVOUS_TIMEOUT": "soon",
                 "SEXPGPU_METRICS": "foo:bar", "SEXPGPU_STACKING": "0",
-                "SEXPGPU_DEVICE": "tpu", "SEXPGPU_CACHE_DIR": "s3://bucket/cache"}.get(name, "maybe")
+                "SEXPGPU_DEVICE": "tpu", "SEXPGPU_CACHE_DIR": "s3://bucket/cache",
+                "JAX_COMPILATION_CACHE_DIR": "/proc/version/x"}.get(name, "maybe")
          for name in env.VARIABLES}
   for name, value in bad.items():
     found = env.variable_errors({name: value})

@@ -155,6 +155,31 @@ def test_a_file_as_the_cache_folder_is_refused_by_check_as_by_run(tmp_path, monk
   assert [n for n, _ in denv.variable_errors()] == ["SEXPGPU_CACHE_DIR"]
 
 
+def test_jaxs_cache_variable_that_cannot_be_a_folder_is_refused_by_run_and_check(
+    tmp_path, monkeypatch, capsys):
+  """JAX_COMPILATION_CACHE_DIR moves the XLA cache (a run honours it), so a value that
+  cannot be that folder is E-ENV-001 naming it, as SEXPGPU_CACHE_DIR's is; a remote one is
+  JAX's to reach and passes."""
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/proc/version/xla")
+  work = tmp_path / "work"
+  work.mkdir()
+  monkeypatch.chdir(work)  # where a run writes its checkpoints and metrics
+  for argv in (["check", TINY], ["run", TINY, "--variant", "smoke", "--steps", "1"]):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error[E-ENV-001]" in err and "JAX_COMPILATION_CACHE_DIR=/proc/version/xla" in err
+    assert "Not a directory" in err and "unset it for the XLA cache" in err
+    assert "Traceback" not in err
+  assert os.listdir(work) == []  # refused before anything was made
+  with pytest.raises(SxError) as e:
+    usable_cache_dir("/proc/self", "JAX_COMPILATION_CACHE_DIR")  # exists, takes no file
+  assert e.value.where == "JAX_COMPILATION_CACHE_DIR"
+  assert usable_cache_dir("gs://bucket/xla", "JAX_COMPILATION_CACHE_DIR") == "gs://bucket/xla"
+  assert not os.path.exists("gs:")
+  assert denv.variable_errors({"JAX_COMPILATION_CACHE_DIR": "gs://bucket/xla"}) == []
+
+
 def test_a_missing_cache_folder_is_made(tmp_path):
   want = str(tmp_path / "a" / "b")
   assert cache_dir({"SEXPGPU_CACHE_DIR": want}, check=True) == want and os.path.isdir(want)

@@ -11,7 +11,7 @@ from sexpgpu import env
 from sexpgpu.env import check_visible, cpu_visible, parse_switch
 from sexpgpu.env import parse_device_list  # noqa: F401  (SEXPGPU_DEVICES's one parser)
 from sexpgpu.errors import SxError
-from sexpgpu.paths import write_atomic
+from sexpgpu.paths import usable_cache_dir, write_atomic
 
 
 def open_device(kind: str):
@@ -379,9 +379,13 @@ class CompileCounter:
       inst = cls()
       # JAX's own variable, when set, keeps its meaning: several runs or jobs may share
       # one XLA cache while each keeps its own sexpgpu cache (choices, links, bundles)
-      xla_dir = env.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache, "xla")
+      # (E-ENV-001 when it cannot be one: a cache that silently does nothing is a slow run)
+      own = env.get("JAX_COMPILATION_CACHE_DIR")
+      xla_dir = (usable_cache_dir(own, "JAX_COMPILATION_CACHE_DIR") if own
+                 else os.path.join(cache, "xla"))
       try:
-        os.makedirs(xla_dir, exist_ok=True)
+        if not own:  # JAX's own was made above, or is remote and JAX's to reach
+          os.makedirs(xla_dir, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", xla_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
