@@ -71,6 +71,9 @@ _ENTRIES = (
           "check the file's :dtype and the model's vocabulary size"),
     Entry("E-LOAD-004", "an unreachable or forbidden remote (the URI without credentials)",
           "check the URI, the network and the credentials (AWS_* or GOOGLE_* variables)"),
+    Entry("E-LOAD-005",
+          "a pass reads more microbatches than its loader's split holds (both counts named)",
+          "lower the pass's :batches to the split's microbatches, or give the loader more data"),
     # checkpoints
     Entry("E-CKPT-001", "`--resume latest` without a checkpoint location",
           "give --checkpoint-dir (or SEXPGPU_CHECKPOINT_DIR) with --resume"),
@@ -83,6 +86,10 @@ _ENTRIES = (
     Entry("E-CKPT-005", "a checkpoint location in use by another run (the holder named)",
           "wait for that run to end, or give this run another --checkpoint-dir or "
           "SEXPGPU_RUN_SLUG"),
+    Entry("E-CKPT-006",
+          "a run without --resume into a location that holds its slug's checkpoints (the "
+          "steps named)",
+          "--resume latest to continue that run, or another --checkpoint-dir to start over"),
     # outputs and the environment
     Entry("E-METRICS-001", "a metrics target that does not parse or cannot be opened",
           "give targets as jsonl:PATH, tensorboard:DIR, mlflow:URI or wandb:PROJECT[/RUN], "
@@ -139,6 +146,17 @@ _ENTRIES = (
     Entry("E-BUNDLE-002",
           "a bundle that is not one, or a member that does not match its manifest hash",
           "make the bundle again with `sexpgpu bundle`"),
+    Entry("E-BUNDLE-003",
+          "a bundle manifest that is not JSON, or a field missing or of the wrong type or value "
+          "(the field named, and what it must be)",
+          "make the bundle again with `sexpgpu bundle`; its manifest.json is not edited by hand"),
+    Entry("E-BUNDLE-004",
+          "a bundle past a bound: a member larger than its manifest says, more members or bytes "
+          "than a bundle holds, a manifest too large or too deeply nested",
+          "do not run the archive; make the bundle again with `sexpgpu bundle`"),
+    Entry("E-BUNDLE-005",
+          "a bundle that cannot be extracted into the cache folder (full, or not writable)",
+          "free space under SEXPGPU_CACHE_DIR, or point it at a disk with room"),
     Entry("E-TOK-001", "a text source that cannot be read (naming it, and the line for `.jsonl`)",
           "give UTF-8 text: .txt, .jsonl with the text --field, or .parquet"),
     Entry("E-TOK-002", "a tokenizer named instead of given as a file",
@@ -148,6 +166,10 @@ _ENTRIES = (
           "an op written in Python failed: its file raised while loading, its declaration "
           "is one the table cannot take, or it raised at a call (the Python file and line)",
           "fix the op's Python file (SEXPGPU_DEBUG=1 prints the whole traceback)"),
+    Entry("E-OP-002",
+          "Python an experiment requires, not run without --trust-python (every file that "
+          "would run listed with its sha256)",
+          "read the files, then pass --trust-python or set SEXPGPU_TRUST_PYTHON=1"),
     # models in and out (55-models.md)
     Entry("E-SAMPLE-001",
           "`sample` cannot tell which function maps tokens to logits (the candidates listed)",
@@ -171,6 +193,12 @@ _ENTRIES = (
           "a model with parameters that have no place in the chosen format's twin (naming them)",
           "build the model from std/gpt2, std/llama, std/mixtral or std/mamba, or export with "
           "--format safetensors"),
+    # training recipes (57-research-loop.md): parameter roles
+    Entry("E-ROLE-001",
+          "a parameter whose role something needs (its weight decay) and whose uses in the "
+          "graph do not decide it (the roles they imply named)",
+          "write :role ROLE on its param (embedding readout hidden expert conv norm bias "
+          "other)"),
     Entry("E-INIT-001",
           "a warm start whose parameters are missing, extra, or of another shape or dtype "
           "(both sides listed)",

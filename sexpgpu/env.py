@@ -13,11 +13,12 @@ from these values before anything starts a backend.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.paths import check_cache_value, scrub
@@ -55,6 +56,33 @@ def debug(environ: Mapping[str, str] | None = None) -> bool:
   refused by `check_variables` before anything runs.
   """
   return (get("SEXPGPU_DEBUG", environ) or "").strip() == "1"
+
+
+def trust_python(environ: Mapping[str, str] | None = None) -> bool:
+  """SEXPGPU_TRUST_PYTHON=1: run the `.py` files an experiment requires wherever they lie
+  (as --trust-python does; the flag, given, wins).
+
+  Raises:
+    SxError: E-ENV-001 for a value other than 0 or 1.
+  """
+  return parse_switch("SEXPGPU_TRUST_PYTHON", get("SEXPGPU_TRUST_PYTHON", environ))
+
+
+@contextlib.contextmanager
+def exported(name: str, value: str | None) -> Iterator[None]:
+  """Sets variable `name` to `value` for the processes started in the block (a sweep's
+  points take its --trust-python as SEXPGPU_TRUST_PYTHON); None leaves it as it is. What
+  was there before is put back."""
+  old = os.environ.get(name)
+  if value is not None:
+    os.environ[name] = value
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop(name, None)
+    else:
+      os.environ[name] = old
 
 
 def _val(env: Mapping[str, str], name: str) -> str | None:
@@ -110,7 +138,7 @@ def parse_device_list(value: str | None) -> list[int] | None:
     n = count(p)
     if n is None:
       raise _dp001(f"SEXPGPU_DEVICES={shown(value)} does not parse: `{shown(p)}` is not a "
-                   "device ordinal")
+                   f"device ordinal (a decimal from 0 to {COUNT_LIMIT - 1})")
     if n in out:
       raise _dp001(f"SEXPGPU_DEVICES={shown(value)} repeats ordinal {n}")
     out.append(n)
@@ -386,7 +414,8 @@ def parse_step_range(value: str | None, where: str = "SEXPGPU_PROFILE") -> tuple
   if lo is None or hi is None:
     lo = hi = -1
   if lo < 1 or hi < lo:
-    raise SxError("E-ENV-001", f"{where} {shown(value)!r} is not a step range A..B with 1 ≤ A ≤ B",
+    raise SxError("E-ENV-001", f"{where} {shown(value)!r} is not a step range A..B with "
+                  f"1 ≤ A ≤ B ≤ {COUNT_LIMIT - 1}",
                   where=where, fix=f"{where}{'=' if where.startswith('SEXPGPU_') else ' '}"
                   "5..10 records steps 5 to 10")
   return lo, hi
@@ -400,6 +429,7 @@ VARIABLES: dict[str, Callable[[str | None], Any]] = {
     "SEXPGPU_STACKING": parse_stacking,
     "SEXPGPU_DETERMINISTIC": lambda v: parse_switch("SEXPGPU_DETERMINISTIC", v),
     "SEXPGPU_DEBUG": lambda v: parse_switch("SEXPGPU_DEBUG", v),
+    "SEXPGPU_TRUST_PYTHON": lambda v: parse_switch("SEXPGPU_TRUST_PYTHON", v),
     "SEXPGPU_PATTERNS": lambda v: parse_choice("SEXPGPU_PATTERNS", v, ("on", "off")),
     "SEXPGPU_CPU_COLLECTIVES": lambda v: parse_choice("SEXPGPU_CPU_COLLECTIVES", v, ("gloo",)),
     "SEXPGPU_MEMORY": lambda v: None if not v else parse_memory(v),

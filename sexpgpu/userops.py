@@ -16,10 +16,15 @@ import inspect
 import math
 from typing import Any, Callable
 
+from sexpgpu.errors import SxError
+from sexpgpu.front import pyops
+from sexpgpu.front.build import SPECIAL_FORMS
 from sexpgpu.ir.opdef import OPS, REQUIRED, Attr, OpDef
 from sexpgpu.ir.shapes import infer
 from sexpgpu.lower.flops import FLOPS
+from sexpgpu.lower.layouts import SPLIT
 from sexpgpu.models.decode_rules import DECODE, register_pointwise
+from sexpgpu.reader import Atom, Symbol, read_text
 
 _TYPES = {int: "int", float: "float", bool: "bool", str: "str",
           "int": "int", "float": "float", "bool": "bool", "str": "str"}
@@ -42,9 +47,11 @@ def op(name: str, doc: str = "", pointwise: bool = False) -> Callable:
     A decorator that registers the function and returns it unchanged.
 
   Raises:
-    OpDeclarationError: the name is an op of the table's own, or the signature has a
-      parameter that is neither a tensor nor an annotated keyword.
+    OpDeclarationError: the name is not one `.sx` symbol (empty, a number, spaces, a
+      special form), is an op of the table's own, or the signature has a parameter that is
+      neither a tensor nor an annotated keyword.
   """
+  _check_name(name)
 
   def deco(fn: Callable) -> Callable:
     source = inspect.getsourcefile(fn) or "<python>"
@@ -56,12 +63,19 @@ def op(name: str, doc: str = "", pointwise: bool = False) -> Callable:
     inputs, attrs = _signature(name, fn)
 
     def rule(ctx, *xs, **kw):
-      return fn(*xs, **{k.replace("-", "_"): v for k, v in kw.items()})
+      try:
+        return fn(*xs, **{k.replace("-", "_"): v for k, v in kw.items()})
+      except BaseException as e:  # noqa: BLE001 (sys.exit in an op is the user's error)
+        if isinstance(e, Exception) or pyops.is_stop(e):
+          raise
+        raise pyops.as_error(e) from None
 
     OPS[name] = OpDef(name, rule, inputs, attrs, doc or (fn.__doc__ or name).strip().split("\n")[0],
                       source=source, pointwise=pointwise)
     infer.cache_clear()  # a redefinition (the same file read again) may change shapes
     FLOPS[name] = functools.partial(_cost_flops, name)
+    # no split rule: tensor parallel's pairs end before it (as at a table op without one)
+    SPLIT[name] = f"an op written in Python ({source}): no split rule"
     if pointwise:
       register_pointwise(name)
     else:
@@ -70,6 +84,23 @@ def op(name: str, doc: str = "", pointwise: bool = False) -> Callable:
     return fn
 
   return deco
+
+
+def _check_name(name: Any) -> None:
+  """Refuses a name the `.sx` reader would not read back as that one symbol."""
+  if not isinstance(name, str) or not name.strip():
+    raise OpDeclarationError(f"the op's name is {name!r}; it must be a symbol of the .sx "
+                             'language, such as "my-mixer"')
+  try:
+    forms = read_text(name, "<op name>")
+  except Exception:  # noqa: BLE001 (any reader error: it is not a symbol)
+    forms = []
+  if not (len(forms) == 1 and isinstance(forms[0], Atom) and isinstance(forms[0].value, Symbol)
+          and str(forms[0].value) == name):
+    raise OpDeclarationError(f"the op's name {name!r} is not one .sx symbol (letters, digits "
+                             "and -_+*/<>=!?.%, not a number or keyword)")
+  if name in SPECIAL_FORMS:
+    raise OpDeclarationError(f"`{name}` is a special form of the .sx language")
 
 
 def _signature(name: str, fn: Callable) -> tuple[tuple[str, ...], tuple[Attr, ...]]:
@@ -111,4 +142,9 @@ def _flops_of(name: str, attrs: tuple, shapes: tuple) -> int:
 def _cost_flops(name: str, node: Any) -> int:
   shapes = tuple((i.dtype, tuple(i.shape)) if hasattr(i, "shape") else ("f32", ())
                  for i in node.inputs)
-  return _flops_of(name, tuple(node.attrs), shapes)
+  try:
+    return _flops_of(name, tuple(node.attrs), shapes)
+  except Exception as e:  # noqa: BLE001 (the user's function, traced once more)
+    if isinstance(e, SxError):
+      raise
+    raise pyops.op_error(name, OPS[name].source, e, getattr(node, "loc", None)) from None

@@ -56,7 +56,8 @@ def exp_dir(tmp_path):
 
 
 def test_a_python_op_compiles_into_the_graph_with_its_shape(exp_dir):
-  out = subprocess.run(sexpgpu_cmd("check", str(exp_dir / "exp.sx"), "--print", "ir"),
+  out = subprocess.run(sexpgpu_cmd("check", str(exp_dir / "exp.sx"), "--print", "ir",
+                                   "--trust-python"),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr
   assert "f32[4,8,16] = my-mixer" in out.stdout, out.stdout
@@ -75,13 +76,15 @@ def test_a_python_op_trains_and_its_file_is_in_the_fingerprint(exp_dir, tmp_path
 
 def test_a_bundle_carries_the_python_file_and_runs_elsewhere(exp_dir, tmp_path):
   bundle = tmp_path / "run.sxb"
-  out = subprocess.run(sexpgpu_cmd("bundle", str(exp_dir / "exp.sx"), "-o", str(bundle)),
+  out = subprocess.run(sexpgpu_cmd("bundle", str(exp_dir / "exp.sx"), "-o", str(bundle),
+                                   "--trust-python"),
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr
   os.remove(exp_dir / "my_ops.py")  # the bundle alone must do
   elsewhere = tmp_path / "elsewhere"
   elsewhere.mkdir()
-  out = subprocess.run(sexpgpu_cmd("run", str(bundle), "--steps", "2"), capture_output=True,
+  out = subprocess.run(sexpgpu_cmd("run", str(bundle), "--steps", "2", "--trust-python"),
+                       capture_output=True,
                        text=True, timeout=600, cwd=elsewhere)
   assert out.returncode == 0, out.stderr
   assert "done: 2 steps" in out.stdout + out.stderr
@@ -118,3 +121,100 @@ def test_a_python_op_with_a_wrong_keyword_is_placed_at_the_call(exp_dir):
   with pytest.raises(SxError) as e:
     compile_file(str(exp_dir / "exp.sx"))
   assert e.value.code == "E-FORM-002" and ":width :gain" in e.value.render()
+
+
+# --- what a user's Python raises or exits with is its error (issue 37, finding 5) ------------
+
+def _check(capsys, exp_dir, *flags):
+  from sexpgpu.cli.main import main
+  code = main(["check", str(exp_dir / "exp.sx"), "--trust-python", *flags])
+  out, err = capsys.readouterr()
+  assert "Traceback" not in err, err
+  return code, err
+
+
+@pytest.mark.parametrize("body,line,needle", [
+    ("import sys\nsys.exit(0)\n", 2, "SystemExit: sys.exit(0)"),
+    ("import sys\n\nsys.exit(3)\n", 3, "SystemExit: sys.exit(3)"),
+    ("raise KeyboardInterrupt\n", 1, "KeyboardInterrupt: raised by the Python itself"),
+    ("raise GeneratorExit('gen')\n", 1, "GeneratorExit: gen"),
+    ("class Mine(BaseException):\n  pass\n\nraise Mine('own')\n", 4, "Mine: own"),
+])
+def test_an_exit_while_loading_is_an_error_at_the_require(exp_dir, capsys, body, line, needle):
+  (exp_dir / "my_ops.py").write_text(body)
+  code, err = _check(capsys, exp_dir)
+  assert code == 1 and "error[E-OP-001]" in err and needle in err, err
+  assert "exp.sx:3:1" in err and f"= at: my_ops.py:{line}" in err
+
+
+EXITS = {"exit0": "sys.exit(0)", "exit3": "sys.exit(3)", "interrupt": "raise KeyboardInterrupt",
+         "generator": "raise GeneratorExit('gen')"}
+
+
+@pytest.mark.parametrize("kind", sorted(EXITS))
+def test_an_exit_inside_the_op_is_an_error_at_the_sx_call(exp_dir, capsys, kind):
+  (exp_dir / "my_ops.py").write_text(OPS_PY.replace(
+      "  n = jnp.arange", f"  import sys\n  {EXITS[kind]}\n  n = jnp.arange"))
+  code, err = _check(capsys, exp_dir)
+  assert code == 1 and "error[E-OP-001]" in err, err
+  name = {"exit0": "SystemExit", "exit3": "SystemExit", "interrupt": "KeyboardInterrupt",
+          "generator": "GeneratorExit"}[kind]
+  assert f"my-mixer: {name} in my_ops.py:10" in err and "exp.sx:10:" in err, err
+
+
+def test_an_exit_while_the_step_is_lowered_is_an_error_at_the_sx_call(exp_dir, capsys):
+  """The op passes shape inference and exits only when the graph interpreter traces the
+  train step: still E-OP-001 at the call, not an exit 0."""
+  from sexpgpu.cli.main import main
+  (exp_dir / "my_ops.py").write_text(OPS_PY.replace("  n = jnp.arange", (
+      "  import inspect, sys\n"
+      "  if any(f.filename.endswith('interp.py') for f in inspect.stack()):\n"
+      "    sys.exit(0)\n"
+      "  n = jnp.arange")))
+  code = main(["run", str(exp_dir / "exp.sx"), "--steps", "1"])
+  err = capsys.readouterr().err
+  assert code == 1 and "error[E-OP-001]" in err and "SystemExit in my_ops.py:11" in err, err
+  assert "exp.sx:10:" in err and "Traceback" not in err
+
+
+def test_a_process_whose_ops_file_exits_0_exits_1_and_says_why(exp_dir, tmp_path):
+  (exp_dir / "my_ops.py").write_text("import sys\nsys.exit(0)\n")
+  out = subprocess.run(sexpgpu_cmd("run", str(exp_dir / "exp.sx")), capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+  assert out.returncode == 1 and "error[E-OP-001]" in out.stderr, out.stderr
+  assert "my_ops.py:2" in out.stderr
+
+
+def test_a_real_signal_while_loading_still_stops(exp_dir, capsys):
+  (exp_dir / "my_ops.py").write_text(
+      "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n")
+  code, err = _check(capsys, exp_dir)
+  assert code == 130 and "stopped: SIGINT" in err and "E-OP-001" not in err, err
+
+
+def test_outside_the_cli_a_keyboard_interrupt_is_left_to_the_caller(exp_dir):
+  """Under Python's own SIGINT handler (a notebook) a user's KeyboardInterrupt cannot be
+  told from a Ctrl-C, so it passes through as one (README, "Python in an experiment")."""
+  import signal
+  (exp_dir / "my_ops.py").write_text("raise KeyboardInterrupt\n")
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      compile_file(str(exp_dir / "exp.sx"))
+  finally:
+    signal.signal(signal.SIGINT, old)
+
+
+@pytest.mark.parametrize("name", ["", " ", "my op", "1x", ":kw", "nil", "let", "a(b", 42])
+def test_an_op_name_that_is_no_symbol_is_refused_where_it_is_declared(name):
+  import sexpgpu
+  from sexpgpu.userops import OpDeclarationError
+  with pytest.raises(OpDeclarationError):
+    sexpgpu.op(name)
+
+
+def test_an_empty_op_name_is_an_error_at_its_line(exp_dir, capsys):
+  (exp_dir / "my_ops.py").write_text(OPS_PY.replace('@sexpgpu.op("my-gate"', '@sexpgpu.op(""'))
+  code, err = _check(capsys, exp_dir)
+  assert code == 1 and "error[E-OP-001]" in err and "the op's name is ''" in err, err
+  assert "= at: my_ops.py:13" in err and "exp.sx:3:1" in err

@@ -11,6 +11,7 @@ from absl import flags
 FLAG_VARIABLES = {
     "device": "SEXPGPU_DEVICE", "metrics": "SEXPGPU_METRICS", "status": "SEXPGPU_STATUS",
     "checkpoint_dir": "SEXPGPU_CHECKPOINT_DIR", "resume": "SEXPGPU_RESUME",
+    "trust_python": "SEXPGPU_TRUST_PYTHON",
 }
 # The variables without a flag, listed under `run --help` (30-run.md, "Environment").
 OTHER_VARIABLES = [

@@ -14,7 +14,6 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "sexpgpu":
 
 import math  # noqa: E402
 import re  # noqa: E402
-import traceback  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -22,7 +21,7 @@ from absl import flags  # noqa: E402
 
 from sexpgpu import env  # noqa: E402
 from sexpgpu.cli import help as _help  # noqa: E402
-from sexpgpu.errors import SxError  # noqa: E402
+from sexpgpu.errors import SxError, traceback_text  # noqa: E402
 from sexpgpu.lang.blame import guarded  # noqa: E402
 from sexpgpu.run import output  # noqa: E402
 
@@ -31,6 +30,18 @@ def _selection_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("variant", None, "the variant to select", flag_values=fv)
   flags.DEFINE_multi_string("set", [], "knob=value overrides", flag_values=fv)
   flags.DEFINE_string("diagnostics", None, "diagnostics to run: a,b or all", flag_values=fv)
+  flags.DEFINE_bool("trust_python", None, "run the .py files the experiment requires "
+                    "wherever they lie, and in check, bundle and a bundle's run "
+                    "(SEXPGPU_TRUST_PYTHON)", flag_values=fv)
+
+
+def _trusting(trust_flag: bool | None, strict: bool, who: str):
+  """The Python an experiment may run under this command (README, "Python in an
+  experiment"): all with --trust-python or SEXPGPU_TRUST_PYTHON=1 (the flag wins); else none
+  when `strict` (check, bundle, a bundle's run), else the files in its own folder."""
+  from sexpgpu.front import pyops
+  trusted = env.trust_python() if trust_flag is None else trust_flag
+  return pyops.trusting(pyops.ALL if trusted else pyops.NONE if strict else pyops.OWN, who)
 
 
 def _run_flags() -> flags.FlagValues:
@@ -59,8 +70,8 @@ def _run_flags() -> flags.FlagValues:
 def _check_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
   _selection_flags(fv)
-  flags.DEFINE_enum("print", None, ["knobs", "params", "ir", "jaxpr", "hlo", "plan", "decode"],
-                    "what to print", flag_values=fv)
+  flags.DEFINE_enum("print", None, ["knobs", "params", "ir", "jaxpr", "hlo", "plan", "decode",
+                                    "requires"], "what to print", flag_values=fv)
   flags.DEFINE_string("fn", None, "for --print decode: the function of the tokens that "
                       "returns logits (default: the only one)", flag_values=fv)
   flags.DEFINE_string("device", None, "cpu or cuda, for --print hlo|plan (SEXPGPU_DEVICE)",
@@ -150,21 +161,40 @@ def _check_values(fv: flags.FlagValues, argv: list[str], command: str) -> None:
                       fix=f"give {shown} its value, or write {shown}={value} if that is the "
                       "value")
     parser = fv[name].parser
-    what, example = None, "100"
+    what, example, within = None, "100", ""
     if isinstance(parser, flags.IntegerParser):
-      if not _DECIMAL.fullmatch(value) or not -2**63 <= int(value[:25]) < 2**63:
-        what = "a decimal integer (digits 0-9, within 64 bits)"
-        try:  # 0x10, 0o20, 1_0: the decimal it would have been read as
-          example = str(int(value[:25], 0)) if len(value) <= 25 else example
-        except ValueError:
-          pass
+      lo, hi = (-2**63 if parser.lower_bound is None else parser.lower_bound,
+                2**63 - 1 if parser.upper_bound is None else parser.upper_bound)
+      if not _DECIMAL.fullmatch(value) or not lo <= int(value[:25]) <= hi:
+        lo, hi = _KNOB_RANGES.get(name, (lo, hi)) if parser.lower_bound is None else (lo, hi)
+        what = f"a decimal integer (digits 0-9) from {lo} to {hi}"
+        example, within = _int_example(value, fv[name].default, lo, hi), f" (from {lo} to {hi})"
     elif isinstance(parser, flags.FloatParser):
       if not _DECIMAL_FLOAT.fullmatch(value) or not math.isfinite(float(value)):
         what = "a finite decimal number"
     if what is not None:
       shown_value = value if len(value) <= 40 else value[:40] + f"... ({len(value)} characters)"
       raise SxError("E-FORM-001", f"sexpgpu {command}: {shown} is `{shown_value}`; it must be "
-                    + what, where=shown, fix=f"write {shown} {example}")
+                    + what, where=shown, fix=f"write {shown} {example}{within}")
+
+
+# The integer flags that replace a knob or plan devices, and the range the run takes (a
+# 64-bit value outside it is refused by the knob's check, E-KNOB-003, or the plan's).
+_KNOB_RANGES = {"steps": (0, 2**31 - 1), "eval_every": (0, 2**31 - 1),
+                "devices": (1, 2**31 - 1), "nodes": (1, 2**31 - 1)}
+
+
+def _int_example(value: str, default, lo: int, hi: int) -> str:
+  """A value an integer flag takes, never the refused one: what `0x10`, `0o20` or `1_0` would
+  have been read as, else the flag's default, else 100, whichever lies in lo..hi first."""
+  try:
+    read = int(value[:25], 0) if len(value) <= 25 else None
+  except ValueError:
+    read = None
+  for cand in (read, default, 100, lo):
+    if isinstance(cand, int) and lo <= cand <= hi:
+      return str(cand)
+  return str(lo)
 
 
 def _sets(values: list[str]) -> list[tuple[str, str]]:
@@ -195,36 +225,24 @@ def cmd_run(argv: list[str]) -> int:
   from sexpgpu.run.compile import compile_file
   from sexpgpu.run.loop import run_compiled
   path, variant, sets = given, fv.variant, init_from_sets(fv.init_from, _sets(fv.set))
-  if given.endswith(".sxb"):
-    from sexpgpu.tools.bundle import open_bundle
-    path, bundled_variant, bundled_sets = open_bundle(given)
-    if variant is not None and variant != bundled_variant:
-      made = f"--variant {bundled_variant}" if bundled_variant else "no --variant"
-      raise SxError("E-VARIANT-001", f"the bundle was made with {made}; "
-                    f"--variant {variant} cannot replace it", where="--variant",
-                    fix="drop --variant; a bundle runs its own selection")
-    variant, sets = bundled_variant, bundled_sets + sets  # a --set given here wins
+  if given.endswith(".sxb"):  # a --set given here wins over the bundle's
+    from sexpgpu.tools.bundle import bundle_selection
+    path, variant, sets = bundle_selection(given, variant, sets)
   opts = run_options(given, fv)
   _STARTUP["status"] = opts.status
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
-  try:
+  from sexpgpu.tools.bundle import bundle_hints
+  with bundle_hints(given), _trusting(fv.trust_python, given.endswith(".sxb"),
+                                      f"sexpgpu run {given}"):
     compiled = guarded(path, variant, sets, overrides, fv.diagnostics,
-                               lambda: compile_file(path, variant, sets, overrides,
-                                                    fv.diagnostics))
-  except SxError as e:
-    if e.code == "E-LOAD-001" and given.endswith(".sxb"):
-      from sexpgpu.tools.bundle import missing_data_hint
-      hint = missing_data_hint(given)
-      if hint:
-        e.fix = hint
-        e.args = (e.render(),)
-    raise
+                       lambda: compile_file(path, variant, sets, overrides, fv.diagnostics))
   _signals.FLAG.check()  # a signal that a library swallowed while start-up ran
   summary = run_compiled(compiled, opts)
   _signals.FLAG.raising = False  # the run has ended: a late signal does not undo it
   if fv.json:
     import json
-    lost = _write_summary(json.dumps(summary.as_dict(), separators=(",", ":")) + "\n")
+    from sexpgpu.paths import scrubbed
+    lost = _write_summary(json.dumps(scrubbed(summary.as_dict()), separators=(",", ":")) + "\n")
     if lost is not None:  # the run's result must not vanish with an exit status of 0
       output.write(sys.stderr, SxError(
           "E-METRICS-001", f"the --json summary was lost: {lost}", where="standard output",
@@ -305,11 +323,14 @@ def cmd_check(argv: list[str]) -> int:
       env.get("SEXPGPU_DEVICE"))
   check_variables(device, ("SEXPGPU_DEVICE",) if fv.device else ())  # the parsers run uses
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
-  sets = _sets(fv.set)
-  text = guarded(path, fv.variant, sets, overrides, fv.diagnostics,
-                         lambda: check(path, fv.variant, sets, fv.diagnostics, fv.print, device,
-                                       overrides, fv.fn, fv.target, fv.gpu,
-                                       fv.devices, fv.nodes))
+  variant, sets, given = fv.variant, _sets(fv.set), path
+  from sexpgpu.tools.bundle import bundle_hints, bundle_selection
+  if given.endswith(".sxb"):  # checked as `run` would run it: its experiment and selection
+    path, variant, sets = bundle_selection(given, variant, sets)
+  with bundle_hints(given), _trusting(fv.trust_python, True, "sexpgpu check"):
+    text = guarded(path, variant, sets, overrides, fv.diagnostics,
+                   lambda: check(path, variant, sets, fv.diagnostics, fv.print, device,
+                                 overrides, fv.fn, fv.target, fv.gpu, fv.devices, fv.nodes))
   output.write(sys.stdout, text)
   return 0
 
@@ -396,8 +417,8 @@ def _main(argv: list[str]) -> int:
     return 0
   except SxError as e:
     output.write(sys.stderr, e.render() + "\n")
-    if env.debug():
-      traceback.print_exc()
+    if env.debug():  # scrubbed: a cause's message may quote a URI with its credentials
+      output.write(sys.stderr, traceback_text(e))
     return 1
   except KeyboardInterrupt:
     return 130

@@ -74,11 +74,13 @@ def infer(op: str, attrs: tuple, in_types: tuple[InType, ...]) -> tuple[str, tup
 def _user_error(e: Exception, source: str) -> ShapeRuleError:
   """An exception inside an op written in Python, with its file and line."""
   import os
+  import sys
   import traceback
 
   from sexpgpu.env import debug
+  from sexpgpu.errors import traceback_text
   if debug():
-    traceback.print_exception(e)
+    sys.stderr.write(traceback_text(e))
   frames = [f for f in traceback.extract_tb(e.__traceback__)
             if os.path.abspath(f.filename) == os.path.abspath(source)]
   where = f"{os.path.basename(source)}:{frames[-1].lineno}" if frames else source

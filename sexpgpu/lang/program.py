@@ -44,7 +44,8 @@ class Program:
     sources: display name → text of every file read (for checkpoints, bundles).
     files: display name → absolute path of every file read from disk.
     python: display name → (absolute path, the require's place) of each `.py` file of
-      ops written in Python (`(require "my_ops.py")`), in require order.
+      ops written in Python (`(require "my_ops.py")`), in require order. Nothing here runs
+      them: the evaluator does, when the command's policy allows (front/pyops.py).
   """
 
   path: str

@@ -8,7 +8,10 @@ from typing import Any, Callable
 
 import jax
 
+from sexpgpu.errors import SxError
+from sexpgpu.front.pyops import op_error
 from sexpgpu.ir.graph import Fn, Graph, Node, walk
+from sexpgpu.ir.opdef import OPS
 from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.lower.rules import lowering
 
@@ -68,7 +71,13 @@ def evaluate(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: Lowe
     else:
       args = arguments(node, env)
       attrs = {k: v for k, v in node.attrs}
-      value = lowering(op, ctx.platform)(ctx, *args, **attrs)
+      try:
+        value = lowering(op, ctx.platform)(ctx, *args, **attrs)
+      except Exception as e:
+        source = OPS[op].source  # an op written in Python: its error at its `.sx` call
+        if source is None or isinstance(e, SxError):
+          raise
+        raise op_error(op, source, e, node.loc) from None
       if op == "tap" and taps is not None:
         taps.setdefault(attrs["name"], []).append(value)
       env[node.uid] = value
