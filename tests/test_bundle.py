@@ -122,3 +122,54 @@ def test_without_data_records_what_is_left_out(tmp_path):
   assert "data/blobs.npz not bundled (add --with-data)" in r.stderr
   m = read_manifest(str(tmp_path / "c.sxb"))
   assert m["data_not_bundled"] == ["data/blobs.npz"] and list(m["files"]) == ["classifier.sx"]
+
+
+def test_a_tar_of_the_same_members_is_refused_as_a_tar(char_bundle, tmp_path):
+  """A bundle is the zip `sexpgpu bundle` writes: tarfile reads a pax or long-name header
+  whole, whatever size it declares, so a tar is not opened (its links included)."""
+  import io
+  import tarfile
+  path, _ = char_bundle
+  with zipfile.ZipFile(path) as z:
+    members = {n: z.read(n) for n in z.namelist()}
+  with tarfile.open(tmp_path / "t.sxb", "w") as t:
+    for n, data in members.items():
+      info = tarfile.TarInfo(n)
+      info.size = len(data)
+      t.addfile(info, io.BytesIO(data))
+  with pytest.raises(SxError) as e:
+    open_bundle(str(tmp_path / "t.sxb"))
+  assert e.value.code == "E-BUNDLE-002" and "a tar archive; a bundle is the zip" in e.value.message
+
+
+def test_check_of_a_bundle_without_its_data_says_where_to_put_it(tmp_path, monkeypatch, capsys):
+  from sexpgpu.cli.main import main
+  from sexpgpu.tools.bundle import make_bundle
+  make_bundle(os.path.join(ROOT, "configs", "classifier.sx"), str(tmp_path / "c.sxb"), "smoke")
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
+  capsys.readouterr()
+  assert main(["check", str(tmp_path / "c.sxb")]) == 1
+  err = capsys.readouterr().err
+  assert err.startswith("error[E-LOAD-001]") and (
+      f"fix: this bundle was made without --with-data: put data/blobs.npz beside c.sxb (in "
+      f"{tmp_path})") in err
+
+
+def test_the_checkpoint_commands_take_a_bundle_as_run_does(char_bundle, tmp_path):
+  """`export` (as sample, eval and import, through one compile) opens a bundle and compiles
+  its own selection: the slug run wrote under is the one it finds."""
+  path, original = char_bundle
+  ckpt = tmp_path / "ckpt"
+  r = subprocess.run(sexpgpu_cmd("run", str(path), "--checkpoint-dir", str(ckpt), "--json"),
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  out = tmp_path / "w.safetensors"
+  r = subprocess.run(sexpgpu_cmd("export", str(path), "--resume", "latest", "--checkpoint-dir",
+                                 str(ckpt), "-o", str(out)),
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert out.stat().st_size > 0
+  r = subprocess.run(sexpgpu_cmd("export", str(path), "--variant", "big", "--resume", "latest",
+                                 "--checkpoint-dir", str(ckpt), "-o", str(out)),
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and "error[E-VARIANT-001]" in r.stderr, r.stderr

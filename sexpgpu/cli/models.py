@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from absl import flags
 
 from sexpgpu import env
-from sexpgpu.cli.main import _parse, _selection_flags, _sets
+from sexpgpu.cli.main import _parse, _selection_flags, _sets, _trusting
 from sexpgpu.errors import SxError
 from sexpgpu.lang.blame import guarded
 from sexpgpu.run import output
 
 
-def _compile(path: str, fv):
+def _compile(path: str, fv, command: str = "sexpgpu"):
+  """The experiment `path` names, compiled as `run` compiles it: a bundle's own experiment
+  and selection (its Python only with --trust-python), a file's with its own folder's."""
   from sexpgpu.run.compile import compile_file
-  sets = _sets(fv.set)
-  return guarded(path, fv.variant, sets, {}, None,
-                 lambda: compile_file(path, fv.variant, sets, {}, None))
+  from sexpgpu.tools.bundle import bundle_hints, bundle_selection
+  given, variant, sets = path, fv.variant, _sets(fv.set)
+  if given.endswith(".sxb"):  # a --set given here wins over the bundle's
+    path, variant, sets = bundle_selection(given, variant, sets)
+  with _trusting(fv.trust_python, given.endswith(".sxb"), command), bundle_hints(given):
+    return guarded(path, variant, sets, {}, None,
+                   lambda: compile_file(path, variant, sets, {}, None))
 
 
 def _checkpoint_flags(fv: flags.FlagValues) -> None:
@@ -37,7 +42,7 @@ def _restored(path: str, fv, command: str):
     raise SxError("E-FORM-001", f"sexpgpu {command} needs --resume (the checkpoint)",
                   where="the command line",
                   fix=f"sexpgpu {command} {path} --resume runs/<slug>/<step> ...")
-  c = _compile(path, fv)
+  c = _compile(path, fv, f"sexpgpu {command}")
   where = fv.checkpoint_dir if fv.checkpoint_dir is not None else env.get(
       "SEXPGPU_CHECKPOINT_DIR")
   step_dir = source.step_dir_of(fv.resume, where, c.slug)
@@ -85,20 +90,36 @@ def cmd_export(argv: list[str]) -> int:
 # --- import --------------------------------------------------------------------------------
 
 def cmd_import(argv: list[str]) -> int:
-  """`sexpgpu import HF_DIR -o CKPT_DIR FILE.sx`: a step-0 checkpoint of FILE.sx."""
-  from sexpgpu.models import export
+  """`sexpgpu import HF_DIR -o CKPT_DIR FILE.sx [--allow-nonfinite]`: a step-0 checkpoint of
+  FILE.sx; NaN or infinity in the folder's tensors or config.json is E-INIT-001 unless
+  --allow-nonfinite."""
+  from sexpgpu.models import export, source
   fv = flags.FlagValues()
   _selection_flags(fv)
   flags.DEFINE_string("output", None, "the checkpoint location (the step is <it>/<slug>/0)",
                       short_name="o", flag_values=fv)
+  flags.DEFINE_bool("allow_nonfinite", False, "import tensors and a config.json holding NaN "
+                    "or infinity (refused otherwise: such a model cannot train)",
+                    flag_values=fv)
   usage = "sexpgpu import hf-model/ -o runs/ my-run.sx"
   rest = _parse(fv, argv, "import")
   if len(rest) != 2 or not fv.output:
     raise SxError("E-FORM-001", "sexpgpu import takes a Hugging Face folder, -o CKPT_DIR and "
                   "the experiment file", where="the command line", fix=usage)
   folder, path = rest
-  c = _compile(path, fv)
-  step_dir = export.import_twin(c, folder, fv.output)
+  c = _compile(path, fv, "sexpgpu import")
+  params = source.twin_params(
+      c, folder, folder, "sexpgpu import",
+      lambda g, problems: SxError(
+          "E-INIT-001", f"{folder} does not fit {c.program.path}: " + "; ".join(problems),
+          where=folder, fix=f"import into an experiment whose {g.kind} has the folder's shape "
+          "(the values of its config.json, set as knobs)"),
+      allow_nonfinite=fv.allow_nonfinite)
+  if not fv.allow_nonfinite:
+    source.refuse_nonfinite(params, folder, folder,
+                            fix="import a folder of finite weights, or pass --allow-nonfinite "
+                            "to import these as they are")
+  step_dir = export.write_step0(c, params, fv.output)
   sys.stderr.write(f"import: {folder} → {step_dir} (step 0 of {c.slug}); train from it with "
                    f"sexpgpu run {path} --resume {step_dir}\n")
   return 0
@@ -116,14 +137,14 @@ def cmd_sample(argv: list[str]) -> int:
   flags.DEFINE_string("prompt", None, "the prompt: text, or token ids separated by spaces",
                       flag_values=fv)
   flags.DEFINE_string("prompt_file", None, "read the prompt from this file", flag_values=fv)
-  flags.DEFINE_integer("tokens", 200, "how many tokens to write", lower_bound=1, flag_values=fv)
-  flags.DEFINE_float("temperature", 0.8, "0 is greedy", lower_bound=0.0, flag_values=fv)
-  flags.DEFINE_integer("top_k", 0, "keep the k likeliest tokens (0: all)", lower_bound=0,
+  flags.DEFINE_integer("tokens", 200, f"how many tokens to write (1 to {sample.MAX_TOKENS})",
                        flag_values=fv)
-  flags.DEFINE_float("top_p", 1.0, "keep the likeliest tokens holding this mass",
-                     lower_bound=0.0, upper_bound=1.0, flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "the sampling seed: the same continuation every run",
-                       flag_values=fv)
+  flags.DEFINE_float("temperature", 0.8, "0 is greedy; at most 100", flag_values=fv)
+  flags.DEFINE_integer("top_k", 0, "keep the k likeliest tokens (0: all)", flag_values=fv)
+  flags.DEFINE_float("top_p", 1.0, "keep the likeliest tokens holding this mass (0 to 1]",
+                     flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "the sampling seed (32 bits): the same continuation every "
+                       "run", flag_values=fv)
   flags.DEFINE_string("tokenizer", None, "a tokenizer.json (default: the text loader's cache's)",
                       flag_values=fv)
   flags.DEFINE_bool("json", False, "print ids, text and tokens/s as one JSON line",
@@ -133,19 +154,14 @@ def cmd_sample(argv: list[str]) -> int:
   if (fv.prompt is None) == (fv.prompt_file is None):
     raise SxError("E-FORM-001", "sexpgpu sample takes --prompt TEXT or --prompt-file FILE",
                   where="the command line", fix=usage)
-  text = fv.prompt
-  if fv.prompt_file is not None:
-    try:
-      with open(fv.prompt_file, encoding="utf-8") as f:
-        text = f.read()
-    except OSError as e:
-      raise SxError("E-FORM-001", f"cannot read --prompt-file {fv.prompt_file}: "
-                    f"{e.strerror}", where="--prompt-file", fix="give a readable text file") from e
+  # The flags and the prompt file first: a refusal costs no compile.
+  settings = sample.Settings(fv.tokens, fv.temperature, fv.top_k, fv.top_p, fv.seed)
+  sample.check_settings(settings)
+  text = fv.prompt if fv.prompt_file is None else sample.read_prompt(fv.prompt_file)
   c, params, meta = _restored(path, fv, "sample")
   fn = fv.fn or source.default_fn(c)
   tok = sample.tokenizer_of(c, fv.tokenizer)
   prompt = tok.encode(text).ids if tok is not None else sample.parse_ids(text)
-  settings = sample.Settings(fv.tokens, fv.temperature, fv.top_k, fv.top_p, fv.seed)
   result = sample.generate(c, fn, params, prompt, settings)
   words = tok.decode(result.ids) if tok is not None else " ".join(map(str, result.ids))
   how = result.path + (f" decoding ({result.reason})" if result.reason else " decoding")
@@ -173,12 +189,23 @@ def cmd_eval(argv: list[str]) -> int:
                       "logits (default: the defeval's, else the only candidate)", flag_values=fv)
   flags.DEFINE_string("tokenizer", None, "with --tasks: a tokenizer.json (default: the "
                       "defeval's, else the text loader's cache's)", flag_values=fv)
-  flags.DEFINE_integer("batch", 8, "with --tasks: rows a call", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("batch", 8, f"with --tasks: rows a call (1 to {evaluate.MAX_BATCH}, "
+                       "and what the device's memory holds)", flag_values=fv)
   flags.DEFINE_integer("limit", None, "with --tasks: the first documents of each task",
-                       lower_bound=1, flag_values=fv)
+                       flag_values=fv)
   flags.DEFINE_bool("json", False, "print the scores as one JSON object", flag_values=fv)
   usage = "sexpgpu eval my-run.sx --resume runs/my-run/100 [--tasks data/choice.jsonl]"
   path = _one(_parse(fv, argv, "eval"), "eval", usage)
+  # The flags and the task files first: a refusal costs no compile.
+  if not 1 <= fv.batch <= evaluate.MAX_BATCH:
+    raise SxError("E-FORM-001", f"--batch is {fv.batch}; it takes 1 to {evaluate.MAX_BATCH}",
+                  where="--batch", fix=f"give --batch 1 to {evaluate.MAX_BATCH} rows a call "
+                  "(8 by default; the device's memory may hold fewer)")
+  if fv.limit is not None and fv.limit < 1:
+    raise SxError("E-FORM-001", f"--limit is {fv.limit}; it takes 1 or more documents",
+                  where="--limit", fix="give --limit 1 or more, or leave it out for every "
+                  "document")
+  tasks = [evaluate.load_task(t, fv.limit) for t in fv.tasks or ()]
   c, params, meta = _restored(path, fv, "eval")
   jobs = []  # (eval name, scorer, task)
   if fv.tasks:
@@ -191,11 +218,7 @@ def cmd_eval(argv: list[str]) -> int:
                     "text loader's token cache", where="--tokenizer",
                     fix="pass --tokenizer FILE (a tokenizer.json)")
     scorer = evaluate.Scorer(c, fn, tok, batch=fv.batch)
-    for t in fv.tasks:
-      if not os.path.isfile(t):
-        raise SxError("E-EVAL-001", f"no task file {t}", where="--tasks",
-                      fix="give .jsonl task files, separated by commas")
-      jobs.append(("eval", scorer, evaluate.load_task(t, fv.limit)))
+    jobs = [("eval", scorer, task) for task in tasks]
   else:
     if not c.exp.evals:
       raise SxError("E-FORM-001", f"{path} has no defeval, and no --tasks were given",

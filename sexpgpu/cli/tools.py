@@ -6,7 +6,8 @@ import sys
 
 from absl import flags
 
-from sexpgpu.cli.main import _parse, _selection_flags, _sets
+from sexpgpu import env
+from sexpgpu.cli.main import _parse, _selection_flags, _sets, _trusting
 from sexpgpu.errors import SxError
 
 
@@ -54,6 +55,9 @@ def cmd_sweep(argv: list[str]) -> int:
   if len(rest) != 1:
     raise SxError("E-FORM-001", f"sexpgpu sweep takes one experiment file, given {len(rest)}",
                   where="the command line", fix="sexpgpu sweep my-run.sx --set lr=1e-3,3e-3")
+  from sexpgpu.tools.bundle import refuse_bundle
+  refuse_bundle(rest[0], "sweep", f"sweep the experiment {rest[0]} was made from, or run the "
+                f"bundle's own selection with sexpgpu run {rest[0]}")
   opts = sweep.SweepOptions(
       file=rest[0], grid=sweep.parse_grid(fv.set), variant=fv.variant, steps=fv.steps,
       eval_every=fv.eval_every, diagnostics=fv.diagnostics, device=fv.device,
@@ -64,7 +68,10 @@ def cmd_sweep(argv: list[str]) -> int:
     for path in sweep.emit_skypilot(opts, emit_dir, fv.accelerators):
       sys.stdout.write(path + "\n")
     return 0
-  rows, code = sweep.run_sweep(opts)
+  # the points are `sexpgpu run` processes: --trust-python reaches them as its variable
+  with env.exported("SEXPGPU_TRUST_PYTHON",
+                    None if fv.trust_python is None else str(int(fv.trust_python))):
+    rows, code = sweep.run_sweep(opts)
   sys.stdout.write(sweep.format_table(opts, rows))
   sys.stdout.flush()
   if opts.table:
@@ -84,7 +91,8 @@ def cmd_bundle(argv: list[str]) -> int:
   if len(rest) != 1 or not fv.output:
     raise SxError("E-FORM-001", "sexpgpu bundle takes one experiment file and -o ARCHIVE",
                   where="the command line", fix="sexpgpu bundle my-run.sx -o my-run.sxb")
-  m = make_bundle(rest[0], fv.output, fv.variant, _sets(fv.set), fv.with_data)
+  with _trusting(fv.trust_python, True, "sexpgpu bundle"):  # it compiles the selection
+    m = make_bundle(rest[0], fv.output, fv.variant, _sets(fv.set), fv.with_data)
   for note in m["notes"]:
     sys.stderr.write(f"bundle: {note}\n")
   n_data = sum(1 for f in m["files"].values() if f["kind"] == "data")
@@ -121,7 +129,18 @@ def cmd_plot(argv: list[str]) -> int:
   if not rest:
     raise SxError("E-FORM-001", "sexpgpu plot takes one or more jsonl metrics files",
                   where="the command line", fix="sexpgpu plot run.jsonl -o curves.png")
-  plot(rest, fv.metric, fv.output)
+  if not fv.output:
+    raise SxError("E-FORM-001", "sexpgpu plot -o is empty", where="-o",
+                  fix="give -o the PNG to write: -o curves.png")
+  skipped: dict[str, list[int]] = {}
+  try:
+    plot(rest, fv.metric, fv.output, skipped=skipped)
+  finally:  # said before an error too: a file of nothing else has no values
+    for path, lines in skipped.items():  # a torn last line of a live run among them
+      shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
+      sys.stderr.write(f"plot: {path}: {len(lines)} line{'s' if len(lines) > 1 else ''} "
+                       f"skipped that {'are' if len(lines) > 1 else 'is'} no JSON object "
+                       f"(line {shown})\n")
   sys.stderr.write(f"plot: {fv.output}\n")
   return 0
 

@@ -13,24 +13,29 @@ with sexpgpu and are not bundled; the manifest records their hashes. `manifest.j
   std                    {std/NAME.sx: sha256}
   data_not_bundled       local loader files left out (no --with-data, or absolute paths)
   remote_data            s3:// and gs:// loader files, read from the store at run time
+
+Opening one (`open_bundle`) reads nothing it has not bounded first: `bundle_manifest` checks
+the archive's members, validates the manifest field by field, and extracts each member only
+up to the byte count its manifest gives, into a folder removed on any failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import platform
 import shutil
-import tarfile
 import time
 import zipfile
+from typing import Iterator
 
 from sexpgpu.errors import SxError
-from sexpgpu.paths import replacing
-
-MANIFEST = "manifest.json"
-FORMAT = "sexpgpu-bundle"
+from sexpgpu.paths import replacing, without_credentials
+from sexpgpu.tools import bundle_manifest as bm
+from sexpgpu.tools.bundle_manifest import FORMAT, MANIFEST
 
 
 def sha256_file(path: str) -> str:
@@ -94,6 +99,8 @@ def make_bundle(path: str, out: str, variant: str | None = None,
   from sexpgpu.data.remote import is_remote
   from sexpgpu.lang.program import STD_DIR
   from sexpgpu.run.compile import compile_file
+  refuse_bundle(path, "bundle", f"a bundle is made once, from its experiment; copy {path} "
+                "as it is to run it elsewhere")
   c = compile_file(path, variant, list(sets))
   std_dir = os.path.realpath(STD_DIR)
   sources, std = [], {}
@@ -121,97 +128,163 @@ def make_bundle(path: str, out: str, variant: str | None = None,
   members = {f: os.path.relpath(f, root).replace(os.sep, "/") for f in files}
   manifest = {
       "format": FORMAT, "version": 1, "experiment": members[exp_abs],
-      "variant": variant, "sets": [[k, v] for k, v in sets], "slug": c.slug,
+      "variant": variant, "sets": [[k, without_credentials(v)] for k, v in sets], "slug": c.slug,
       "fingerprint": c.fingerprint, "versions": _versions(), "created_at": time.time(),
       "files": {members[f]: {"sha256": sha256_file(f), "bytes": os.path.getsize(f),
                              "kind": "data" if f in data and f not in sources else "source"}
                 for f in files},
       "std": std, "data_not_bundled": sorted(set(left_out)), "remote_data": sorted(set(remote)),
   }
+  text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+  _within_bounds(out, manifest, text)
   with replacing(out) as tmp, zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
-    z.writestr(MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    z.writestr(MANIFEST, text)
     for f in files:
       z.write(f, members[f])
   return {**manifest, "notes": notes}
 
 
+def _within_bounds(out: str, manifest: dict, text: str) -> None:
+  """The manifest about to be written, as `open_bundle` will check it: a bundle this makes
+  is one that opens (at most MAX_MEMBERS files and MAX_TOTAL_BYTES, a manifest within its
+  bounds)."""
+  files = manifest["files"]
+  total = sum(f["bytes"] for f in files.values())
+  if len(files) > bm.MAX_MEMBERS or total > bm.MAX_TOTAL_BYTES:
+    raise SxError("E-BUNDLE-004", f"{out}: {len(files)} files of {total} bytes; a bundle holds "
+                  f"at most {bm.MAX_MEMBERS} files and {bm.MAX_TOTAL_BYTES} bytes", where=out,
+                  fix="make the bundle without --with-data and put the loaders' data beside "
+                  "the archive where it runs")
+  bm.parse_manifest(text.encode("utf-8"), out)
+
+
 # --- opening ----------------------------------------------------------------------------------
 
-def _bad_member(name: str) -> bool:
-  n = name.replace("\\", "/")
-  return (n.startswith("/") or (len(n) > 1 and n[1] == ":") or ".." in n.split("/")
-          or n in ("", "."))
-
-
-def _members(archive: str) -> tuple[str, list[tuple[str, bool]]]:
-  """('zip' | 'tar', [(member name, is a plain file or folder)])."""
-  if zipfile.is_zipfile(archive):
-    with zipfile.ZipFile(archive) as z:
-      return "zip", [(i.filename, True) for i in z.infolist()]
+def _bundle(path: str) -> tuple[bm.Archive, bm.Manifest]:
+  """The bundle opened, its members checked for safety, its manifest read and validated and
+  its members checked against it; nothing written, and no member read but the manifest."""
+  archive = bm.Archive(bm.open_regular(path), path)
   try:
-    with tarfile.open(archive) as t:
-      return "tar", [(m.name, m.isfile() or m.isdir()) for m in t.getmembers()]
-  except (tarfile.TarError, OSError):
-    raise SxError("E-BUNDLE-002", f"{archive} is not a sexpgpu bundle (neither zip nor tar)",
-                  where=archive, fix="make it with sexpgpu bundle FILE -o run.sxb") from None
+    manifest = archive.read_manifest()
+    archive.check_against(manifest)
+  except BaseException:
+    archive.close()
+    raise
+  return archive, manifest
 
 
-def _extract(archive: str, kind: str, dest: str) -> None:
-  if kind == "zip":
-    with zipfile.ZipFile(archive) as z:
-      for info in z.infolist():
-        if info.is_dir():
-          continue
-        target = os.path.join(dest, *info.filename.split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with z.open(info) as src, open(target, "wb") as dst:
-          shutil.copyfileobj(src, dst)
-  else:
-    with tarfile.open(archive) as t:
-      for m in t.getmembers():
-        if m.isfile():
-          target = os.path.join(dest, *m.name.split("/"))
-          os.makedirs(os.path.dirname(target), exist_ok=True)
-          with t.extractfile(m) as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+def _cache_full(folder: str, e: OSError) -> SxError:
+  why = e.strerror or str(e)
+  full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+  return SxError("E-BUNDLE-005", f"the bundle cannot be extracted into {folder}: {why}",
+                 where=folder, fix=("free space in that folder's file system, or point "
+                                    "SEXPGPU_CACHE_DIR at a disk with room" if full else
+                                    "make SEXPGPU_CACHE_DIR a folder this user can write"))
 
 
-def _verify(archive: str, dest: str, names: set[str]) -> dict:
-  """Checks the extracted files against the manifest; returns the manifest."""
+def _copy_member(archive: bm.Archive, member: bm.Member, target: str, cache: str) -> None:
+  """Writes one member to `target`, never past its manifest size + 1 byte, checking its
+  sha256 as it goes."""
+  h, written = hashlib.sha256(), 0
   try:
-    with open(os.path.join(dest, MANIFEST), encoding="utf-8") as f:
-      manifest = json.load(f)
-    files = manifest["files"]
-    manifest["experiment"]
-  except (OSError, ValueError, KeyError, TypeError):
-    raise SxError("E-BUNDLE-002", f"{archive} has no readable manifest.json",
-                  where=archive) from None
-  listed = set(files) | {MANIFEST}
-  extra = sorted(n for n in names - listed if not n.endswith("/"))
-  if extra:
-    raise SxError("E-BUNDLE-002", f"{archive}: member {extra[0]} is not in the manifest",
-                  where=archive, fix="the archive was changed after sexpgpu bundle made it; "
-                  "make it again")
-  for name, info in sorted(files.items()):
-    if _bad_member(name):
-      raise SxError("E-BUNDLE-001", f"{archive}: manifest names `{name}`, a path outside the "
-                    "bundle", where=archive, fix="bundle members are relative paths without ..")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    dst = open(target, "xb")  # pylint: disable=consider-using-with
+  except OSError as e:
+    raise _cache_full(cache, e) from None
+  with dst:
+    try:
+      src = archive.open_member(member.name)
+    except (OSError, *bm.DAMAGED) as e:
+      raise bm.damaged(archive.path, f"{member.name[:200]}: {type(e).__name__}: {e}") from None
+    with src:  # a read's error is the archive's; a write's, the cache folder's
+      while written <= member.size:
+        try:
+          block = src.read(min(1 << 20, member.size + 1 - written))
+        except (OSError, *bm.DAMAGED) as e:
+          raise bm.damaged(archive.path, f"{member.name[:200]}: {e}") from None
+        if not block:
+          break
+        written += len(block)
+        if written > member.size:
+          raise SxError("E-BUNDLE-004", f"{archive.path}: member {member.name[:200]} holds more "
+                        f"than the {member.size} bytes its manifest lists; extraction stopped "
+                        "there", where=archive.path, fix="the archive's member was replaced "
+                        "after sexpgpu bundle made it (a zip bomb?); do not run it")
+        h.update(block)
+        try:
+          dst.write(block)
+        except OSError as e:
+          raise _cache_full(cache, e) from None
+    try:
+      dst.flush()
+    except OSError as e:
+      raise _cache_full(cache, e) from None
+  if written != member.size or h.hexdigest() != member.sha256:
+    got = "missing" if written == 0 and member.size else h.hexdigest()[:12] + "…"
+    raise SxError("E-BUNDLE-002", f"{archive.path}: {member.name[:200]} does not match its "
+                  f"manifest hash (sha256 {member.sha256[:12]}…, found {got}, "
+                  f"{written} of {member.size} bytes)", where=archive.path,
+                  fix="the archive was changed or damaged after sexpgpu bundle made it; "
+                  "make it again from the experiment")
+
+
+def extract(archive: bm.Archive, manifest: bm.Manifest, dest: str) -> None:
+  """Extracts every member into the new folder `dest`, checked as it is written.
+
+  Nothing is left behind on failure (or on a signal): `dest` is removed.
+
+  Raises:
+    SxError: E-BUNDLE-005 naming the folder when the disk lacks room for the manifest's
+      bytes or a write fails; E-BUNDLE-004 for a member past its size; E-BUNDLE-002 for a
+      damaged member or one whose sha256 differs.
+  """
+  cache = os.path.dirname(dest)
+  try:
+    os.makedirs(cache, exist_ok=True)
+    free = shutil.disk_usage(cache).free
+  except OSError as e:
+    raise _cache_full(cache, e) from None
+  need = manifest.total_bytes()
+  if need > free:
+    raise SxError("E-BUNDLE-005", f"the bundle needs {need} bytes in {cache}; "
+                  f"{free} are free", where=cache,
+                  fix=f"free {need - free} bytes there, or point SEXPGPU_CACHE_DIR at a disk "
+                  "with room")
+  try:
+    shutil.rmtree(dest, ignore_errors=True)
+    try:
+      os.makedirs(dest)
+    except OSError as e:
+      raise _cache_full(cache, e) from None
+    for name in sorted(manifest.files):
+      _copy_member(archive, manifest.files[name], os.path.join(dest, *name.split("/")), cache)
+  except BaseException:
+    shutil.rmtree(dest, ignore_errors=True)
+    raise
+
+
+def _extracted_intact(manifest: bm.Manifest, dest: str) -> bool:
+  """Whether an earlier extraction in `dest` still holds every member as listed."""
+  for name, member in manifest.files.items():
     target = os.path.join(dest, *name.split("/"))
-    got = sha256_file(target) if os.path.isfile(target) else "missing"
-    if got != info.get("sha256"):
-      raise SxError("E-BUNDLE-002", f"{archive}: {name} does not match its manifest hash "
-                    f"(sha256 {info.get('sha256', '?')[:12]}…, found "
-                    f"{got if got == 'missing' else got[:12] + '…'})", where=archive,
-                    fix="the archive was changed or damaged after sexpgpu bundle made it; "
-                    "make it again from the experiment")
-  return manifest
+    try:
+      if os.path.islink(target) or os.path.getsize(target) != member.size:
+        return False
+      if sha256_file(target) != member.sha256:
+        return False
+    except OSError:
+      return False
+  return True
 
 
 def open_bundle(path: str) -> tuple[str, str | None, list[tuple[str, str]]]:
   """Extracts and verifies a bundle; returns what `sexpgpu run` needs to run it.
 
   The archive is extracted once under `<SEXPGPU_CACHE_DIR>/bundles/<sha256 of the archive>/`
-  (reused, and re-verified, on later opens).
+  (reused, and re-verified, on later opens). Before a byte is written the archive must be a
+  regular file of at most MAX_MEMBERS safe members, each listed in a manifest that
+  `bundle_manifest.validate` accepts, at the size the manifest gives; each member is then
+  written only up to that size and checked against its sha256.
 
   Args:
     path: the `.sxb` file.
@@ -220,53 +293,83 @@ def open_bundle(path: str) -> tuple[str, str | None, list[tuple[str, str]]]:
     (path of the extracted experiment file, variant or None, [(knob, text), ...] sets).
 
   Raises:
-    SxError: E-BUNDLE-001 for a member with an absolute path, `..`, or a link;
-      E-BUNDLE-002 for a member whose sha256 differs from the manifest, a missing or
-      unlisted member, or an archive that is no bundle.
+    SxError: E-BUNDLE-001 for a member (or a manifest path) that is absolute, has `..`, or
+      is a link or device; E-BUNDLE-002 for an archive that is no bundle or is damaged, or a
+      member missing, unlisted or whose sha256 differs; E-BUNDLE-003 for a manifest field
+      of the wrong type or value; E-BUNDLE-004 past a bound; E-BUNDLE-005 when the cache
+      folder has no room or cannot be written.
   """
   from sexpgpu.run.compile import cache_dir
-  if not os.path.isfile(path):
-    raise SxError("E-REQ-001", f"bundle `{path}` not found", where=path,
-                  fix="check the path (relative to the current directory), or make the bundle "
-                  "with sexpgpu bundle FILE -o run.sxb")
-  kind, members = _members(path)
-  for name, plain in members:
-    if _bad_member(name) or not plain:
-      raise SxError("E-BUNDLE-001", f"{path}: member `{name}` "
-                    + ("is a link or device" if plain else "has an absolute path or `..`")
-                    + "; it could write outside the extraction folder",
-                    where=path, fix="a bundle holds plain files at relative paths; make it "
-                    "with sexpgpu bundle")
-  names = {n.rstrip("/") if n.endswith("/") else n for n, _ in members}
-  digest = sha256_file(path)
-  dest = os.path.join(cache_dir(), "bundles", digest[:32])
-  if os.path.isdir(dest):
-    try:
-      manifest = _verify(path, dest, names)
-    except SxError:  # the archive verified once; its extracted copy was changed since
-      shutil.rmtree(dest, ignore_errors=True)
-  if not os.path.isdir(dest):
-    tmp = f"{dest}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    _extract(path, kind, tmp)
-    try:
-      manifest = _verify(path, tmp, names)
-    except SxError:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
-    try:
-      os.replace(tmp, dest)
-    except OSError:  # another process extracted it first
-      shutil.rmtree(tmp, ignore_errors=True)
-  variant = manifest.get("variant")
-  sets = [(str(k), str(v)) for k, v in manifest.get("sets") or []]
-  experiment = os.path.join(dest, *manifest["experiment"].split("/"))
+  archive, manifest = _bundle(path)
+  try:
+    dest = os.path.join(cache_dir(), "bundles", archive.digest()[:32])
+    if os.path.isdir(dest) and not _extracted_intact(manifest, dest):
+      shutil.rmtree(dest, ignore_errors=True)  # changed since it was extracted and verified
+    if not os.path.isdir(dest):
+      tmp = f"{dest}.{os.getpid()}.tmp"
+      extract(archive, manifest, tmp)
+      try:
+        os.replace(tmp, dest)
+      except OSError:  # another process extracted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+  finally:
+    archive.close()
+  experiment = os.path.join(dest, *manifest.experiment.split("/"))
   _link_data_beside(path, os.path.dirname(experiment), manifest)
-  return experiment, variant, sets
+  return experiment, manifest.variant, list(manifest.sets)
 
 
-def _link_data_beside(archive: str, exp_dir: str, manifest: dict) -> None:
+def bundle_selection(given: str, variant: str | None, sets: list[tuple[str, str]]
+                     ) -> tuple[str, str | None, list[tuple[str, str]]]:
+  """What a command given a bundle compiles: its extracted experiment and its selection.
+
+  Args:
+    given: the `.sxb` file.
+    variant: the command's --variant (None when not given): it must be the bundle's own.
+    sets: the command's --set pairs; they come after (so win over) the bundle's.
+
+  Returns:
+    (experiment path, variant, sets).
+
+  Raises:
+    SxError: as `open_bundle`; E-VARIANT-001 for a --variant other than the bundle's.
+  """
+  path, bundled_variant, bundled_sets = open_bundle(given)
+  if variant is not None and variant != bundled_variant:
+    made = f"--variant {bundled_variant}" if bundled_variant else "no --variant"
+    raise SxError("E-VARIANT-001", f"the bundle was made with {made}; "
+                  f"--variant {variant} cannot replace it", where="--variant",
+                  fix="drop --variant; a bundle runs its own selection")
+  return path, bundled_variant, bundled_sets + list(sets)
+
+
+@contextlib.contextmanager
+def bundle_hints(given: str) -> Iterator[None]:
+  """Around compiling what a command was given: when it is a bundle made without
+  --with-data, an E-LOAD-001 for a file it left out says where to put that file."""
+  try:
+    yield
+  except SxError as e:
+    hint = missing_data_hint(given) if e.code == "E-LOAD-001" and given.endswith(
+        ".sxb") else None
+    if hint:
+      e.fix = hint
+      e.args = (e.render(),)
+    raise
+
+
+def refuse_bundle(given: str, command: str, instead: str) -> None:
+  """Refuses a bundle given to a command that takes an experiment file.
+
+  Raises:
+    SxError: E-FORM-001 when `given` names a `.sxb` file, with `instead` as the fix.
+  """
+  if given.endswith(".sxb"):
+    raise SxError("E-FORM-001", f"sexpgpu {command} takes an experiment file (.sx); "
+                  f"`{given}` is a bundle", where=given, fix=instead)
+
+
+def _link_data_beside(archive: str, exp_dir: str, manifest: bm.Manifest) -> None:
   """Links each loader file left out of the bundle to a copy found beside the `.sxb`.
 
   A bundle made without --with-data names its loaders' files relative to the experiment;
@@ -274,8 +377,8 @@ def _link_data_beside(archive: str, exp_dir: str, manifest: dict) -> None:
   just the file), and the extracted experiment finds them there.
   """
   here = os.path.dirname(os.path.abspath(archive))
-  for rel in manifest.get("data_not_bundled") or []:
-    if os.path.isabs(rel) or _bad_member(rel):
+  for rel in manifest.data_not_bundled:
+    if os.path.isabs(rel) or bm.unsafe_name(rel):
       continue
     target = os.path.join(exp_dir, *rel.split("/"))
     if os.path.isfile(target) and not os.path.islink(target):
@@ -297,9 +400,8 @@ def _link_data_beside(archive: str, exp_dir: str, manifest: dict) -> None:
 def missing_data_hint(archive: str) -> str | None:
   """The fix for an E-LOAD-001 from a bundle made without --with-data, or None."""
   try:
-    left = [p for p in read_manifest(archive).get("data_not_bundled") or []
-            if not os.path.isabs(p)]
-  except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+    left = [p for p in manifest_of(archive).data_not_bundled if not os.path.isabs(p)]
+  except SxError:
     return None
   if not left:
     return None
@@ -308,7 +410,19 @@ def missing_data_hint(archive: str) -> str | None:
           f"{os.path.basename(archive)} (in {here}), or make the bundle again with --with-data")
 
 
+def manifest_of(path: str) -> bm.Manifest:
+  """The checked manifest of a bundle, without extracting it.
+
+  Raises:
+    SxError: as `open_bundle`, for everything found before extraction.
+  """
+  archive = bm.Archive(bm.open_regular(path), path)
+  try:
+    return archive.read_manifest()
+  finally:
+    archive.close()
+
+
 def read_manifest(path: str) -> dict:
-  """The manifest of a bundle, without extracting or verifying it."""
-  with zipfile.ZipFile(path) as z:
-    return json.loads(z.read(MANIFEST))
+  """The manifest of a bundle as its JSON object, checked, without extracting it."""
+  return manifest_of(path).raw
