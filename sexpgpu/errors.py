@@ -1,10 +1,14 @@
-"""Source locations and the one error type a user ever sees: SxError."""
+"""Source locations, the one error type a user ever sees (SxError), and the one scrubber of
+credentials in what a user sees (`scrub`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
+import re
+import threading
+import urllib.parse
 from typing import Iterable, Sequence
 
 from sexpgpu.catalogue import CATALOGUE
@@ -54,22 +58,28 @@ class SxError(Exception):
                notes: Sequence[tuple[str, str]] = ()):
     if code not in CATALOGUE:  # a programming error: every code is catalogued
       raise ValueError(f"error code {code!r} is not in sexpgpu/catalogue.py")
+    # Every error a user sees is built here: its words are scrubbed of credentials once, so
+    # the status file, the metrics stream and the API's exception carry none either.
     self.code = code
-    self.message = message
+    self.message = scrub(message)
     self.location = location
-    self.where = where
-    self.fix = fix if fix is not None else CATALOGUE[code].fix
-    self.notes = list(notes)
+    self.where = scrub(where) if where else where
+    self.fix = scrub(fix if fix is not None else CATALOGUE[code].fix)
+    self.notes = [(key, scrub(value)) for key, value in notes]
     super().__init__(self.render())
 
   def with_note(self, key: str, value: str) -> "SxError":
     """Adds a `= key: value` line and returns self (for re-raising)."""
-    self.notes.append((key, value))
+    self.notes.append((key, scrub(value)))
     self.args = (self.render(),)
     return self
 
   def render(self) -> str:
-    """The text printed on standard error, as in the error catalogue."""
+    """The text printed on standard error, as in the error catalogue, without credentials
+    (a field changed after the error was made is scrubbed here too)."""
+    return scrub(self._render())
+
+  def _render(self) -> str:
     lines = [f"error[{self.code}]: {self.message}"]
     if self.location is not None:
       lines.append(f"  --> {self.location}")
@@ -145,3 +155,191 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
   if not near:
     return ""
   return "did you mean " + " or ".join(f"`{c}`" for c in near) + "?"
+
+
+# --- credentials in text: the one scrubber -----------------------------------------------------
+# Every writer of what a user sees passes its text through `scrub`: SxError's words (above),
+# the lines of standard output and error (run/output.py's `write`), the status file, every
+# metrics event, a checkpoint's meta, the --json summary and SEXPGPU_DEBUG's tracebacks. It lives
+# here, below every layer, so that the language's slug (lang/select.py) can use it too;
+# sexpgpu.paths re-exports it.
+#
+# The parse rule, for `scheme://USERINFO@HOST...` inside any text:
+#   * a URI starts at `scheme://` and ends at white space, a quote, a bracket, `|`, `\`, or
+#     where the next `scheme://` starts (`mlflow:http://a@h,mlflow:http://b@g` is two);
+#   * its userinfo is everything between `://` and the LAST `@` of the URI that is followed by
+#     a host-like token (a name, an IPv4 or [IPv6] address, an optional :port, possibly empty)
+#     ending at `/`, `?`, `#`, `,`, `;` or the URI's end. So `/`, `@`, `+` and `:` inside a
+#     secret (`s3://AKIA:SEC/RET+x@bucket/p`, common in AWS keys) are masked whole. A key that
+#     itself holds `@` (`s3://bucket/run@v2/x`) is masked up to that `@` too: a hidden part of
+#     a path is the price of never showing a secret;
+#   * a query parameter (after `?`, `&` or `;`) whose name holds token, sig, key, pass, pwd,
+#     secret, credential, auth, session or jwt (X-Amz-Security-Token, X-Amz-Signature, token,
+#     access_token, sig, key, password, ...) has its value masked; the value ends at `&`, `#`,
+#     `,`, `;`, or what ends a URI.
+# A credential once seen is remembered for the process (the whole userinfo, its parts split at
+# `:`, `/` and `@` of 4 characters or more, query values of 8 or more, each also URL-decoded),
+# so a library that repeats it elsewhere (botocore naming the bucket `AKIA:SEC`) is masked too;
+# so are the values of the credential variables below.
+_SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
+_URI_END = re.compile(r"[\s\"'`<>()\[\]{}|\\]")
+_HOST = re.compile(r"(?:\[[0-9A-Fa-f:.]*\]|[A-Za-z0-9._~%\-]*)(?::\d*)?(?:[/?#,;]|$)")
+_VALUE = r"[^&#\s\"'`<>()\[\]{}|\\,;]"  # a character of a query value
+_PARAM = re.compile(r"([?&;])([^=?" + _VALUE[2:] + r"+)=(" + _VALUE + "*)")
+_CREDENTIAL_NAME = re.compile(r"token|sig|key|pass|pwd|secret|credential|auth|session|jwt", re.I)
+# Signed-URL keys written outside a query (a library's message quoting one).
+_SIGNED = re.compile(r"((?:X-Amz|X-Goog)-(?:Signature|Credential|Security-Token)=)"
+                     + _VALUE + "+", re.I)
+MASK = "***"
+_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
+                "GOOGLE_APPLICATION_CREDENTIALS", "MLFLOW_TRACKING_PASSWORD",
+                "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY", "HF_TOKEN")
+# Every URI credential scrub has met in this process, oldest first, at most _SEEN_MOST (a
+# process that meets endless ones, a fuzzer, keeps the newest), and the same longest first.
+_SEEN_SECRETS: dict[str, None] = {}
+_SEEN_MOST = 64  # each costs a pass over every text scrubbed
+_SEEN_ORDER: list[str] = []
+_SEEN_LOCK = threading.Lock()
+
+
+def _uri_spans(text: str) -> list[tuple[int, int]]:
+  """(start, end) of what follows `scheme://` in each URI of `text` (linear in its length)."""
+  found = []  # (where the scheme starts, where its `://` ends)
+  i = text.find("://")
+  while i >= 0:
+    j = i
+    while j > 0 and text[j - 1] in _SCHEME_CHARS:
+      j -= 1
+    while j < i and not text[j].isalpha():  # a scheme starts with a letter
+      j += 1
+    if j < i:
+      found.append((j, i + 3))
+    i = text.find("://", i + 3)
+  out = []
+  for k, (_, after) in enumerate(found):
+    limit = found[k + 1][0] if k + 1 < len(found) else len(text)
+    stop = _URI_END.search(text, after, limit)
+    out.append((after, stop.start() if stop else limit))
+  return out
+
+
+def _userinfo_end(text: str, start: int, end: int) -> int | None:
+  """Where the userinfo of the URI text[start:end] ends (its last `@` before a host), or None."""
+  at = text.rfind("@", start, end)
+  while at >= 0:
+    if _HOST.match(text, at + 1, end):
+      return at
+    at = text.rfind("@", start, at)
+  return None
+
+
+def _userinfos(text: str) -> list[tuple[int, int]]:
+  """(start, end) of each URI userinfo in `text`, without its `@`."""
+  out = []
+  for start, end in _uri_spans(text):
+    at = _userinfo_end(text, start, end)
+    if at is not None:
+      out.append((start, at))
+  return out
+
+
+def _remember(userinfos: list[str], values: list[str]) -> None:
+  new = set()
+  for info in userinfos:
+    for text in {info, urllib.parse.unquote(info)}:
+      new.add(text)
+      new.update(p for p in text.split(":") if len(p) >= 4)
+      if ":" in text or "/" not in text:  # user:secret, or one token: its pieces are secret
+        new.update(p for p in re.split(r"[:/@]", text) if len(p) >= 4)
+        new.add(text.split("/", 1)[0])  # what an S3 client calls the bucket
+  for value in values:
+    new.update(v for v in {value, urllib.parse.unquote(value)} if len(v) >= 8)
+  new = {s for s in new if len(s) >= 4 and s != MASK}
+  with _SEEN_LOCK:
+    if new - _SEEN_SECRETS.keys():
+      _SEEN_SECRETS.update(dict.fromkeys(sorted(new)))
+      while len(_SEEN_SECRETS) > _SEEN_MOST:
+        del _SEEN_SECRETS[next(iter(_SEEN_SECRETS))]
+      _SEEN_ORDER[:] = sorted(_SEEN_SECRETS, key=len, reverse=True)
+
+
+def credential_param(name: str) -> bool:
+  """Whether a query parameter of this name carries a credential (token, sig, key, ...)."""
+  return bool(_CREDENTIAL_NAME.search(name))
+
+
+def scrub(text) -> str:
+  """`text` without credentials: the one place secrets are masked in what a user sees.
+
+  A URI's userinfo (`user:secret@`, however many `/`, `@`, `+` or `:` the secret holds)
+  becomes `***@`; a credential query parameter's value (`?X-Amz-Security-Token=`, `&sig=`,
+  `?token=`, ...) becomes `***`; credentials seen before in this process and the values of
+  the credential variables (AWS_SECRET_ACCESS_KEY, ...) become `***`. The rule is written
+  above this function in sexpgpu/errors.py.
+
+  Args:
+    text: anything; it is shown as str(text).
+
+  Returns:
+    The text with every credential masked.
+  """
+  text = str(text)
+  infos, pieces, pos = [], [], 0
+  for start, end in _userinfos(text):
+    infos.append(text[start:end])
+    pieces += [text[pos:start], MASK]
+    pos = end
+  text = "".join(pieces) + text[pos:]
+  values = []
+
+  def mask(m: re.Match) -> str:
+    sep, name, value = m.groups()
+    if not credential_param(name):
+      return m.group(0)
+    values.append(value)
+    return f"{sep}{name}={MASK}"
+
+  text = _SIGNED.sub(lambda m: m.group(1) + MASK, _PARAM.sub(mask, text))
+  _remember(infos, values)
+  with _SEEN_LOCK:
+    seen = list(_SEEN_ORDER)
+  for secret in seen + [os.environ.get(v, "") for v in _SECRET_VARS]:
+    if len(secret) >= 4 and secret in text:
+      text = text.replace(secret, MASK)
+  return text
+
+
+def without_credentials(text: str) -> str:
+  """`text` with every URI's userinfo (and its `@`) and every credential query parameter
+  removed, not masked (`s3://K:S@b/x?token=T&v=2` → `s3://b/x?v=2`): what names a thing
+  whatever credentials reach it, as a run's slug and a data cache's key do. Only the URI
+  form is removed (nothing remembered or read from the environment), so the result is the
+  same in every process; what is removed is remembered, as `scrub` remembers it."""
+  text = str(text)
+  scrub(text)  # what it removes is remembered, as scrub remembers it
+  pieces, pos = [], 0
+  for start, end in _userinfos(text):
+    pieces.append(text[pos:start])
+    pos = end + 1
+  text = "".join(pieces) + text[pos:]
+  text = _PARAM.sub(lambda m: ("\0" if m.group(1) == "?" else "")
+                    if credential_param(m.group(2)) else m.group(0), text)
+  text = re.sub("\0[&;]+", "?", text)  # the first parameter went: the next one leads
+  return text.replace("\0", "")  # the only one went, and its `?` with it
+
+
+def credentials_in(text: str) -> list[str]:
+  """What credentials `text` carries in URI form, in words: `a user:secret@ part` and each
+  credential query parameter (`the query parameter X-Amz-Signature`); [] when none."""
+  text = str(text)
+  found = ["a user:secret@ part"] if _userinfos(text) else []
+  found += [f"the query parameter {m.group(2)}" for m in _PARAM.finditer(text)
+            if credential_param(m.group(2))]
+  return found
+
+
+def traceback_text(exc: BaseException) -> str:
+  """`exc`'s traceback with its causes, as Python prints it, scrubbed: what SEXPGPU_DEBUG=1
+  shows (every traceback sexpgpu prints goes through here)."""
+  import traceback  # pylint: disable=import-outside-toplevel
+  return scrub("".join(traceback.format_exception(exc)))

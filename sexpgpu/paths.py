@@ -5,25 +5,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import re
 import tempfile
-import threading
 from typing import Iterator, Mapping
 
 from fsspec.core import split_protocol
 
 from sexpgpu.errors import SxError
+# The one credential scrubber lives in sexpgpu/errors.py (below every layer: SxError and the
+# language's slug use it); this module is where the rest of the package takes it from.
+from sexpgpu.errors import credentials_in, scrub, without_credentials  # noqa: F401
 
 # The object stores we read and write, each with the fsspec package that serves it.
 REMOTE_PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 _COUNTER = itertools.count()  # temporary names unique within the process, across threads
-# Credentials in text: a URI's `user:secret@`, signed-URL keys, and the environment's secrets.
-_URL_USER = re.compile(r"(//)([^/@\s]+)@")
-_SIGNED = re.compile(r"(X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s]+", re.I)
-_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN",
-                "GOOGLE_APPLICATION_CREDENTIALS")
-_SEEN_SECRETS: set[str] = set()  # every URI credential scrub has met in this process
-_SEEN_LOCK = threading.Lock()
 
 
 def cache_dir(environ: Mapping[str, str] | None = None, check: bool | None = None) -> str:
@@ -133,38 +127,15 @@ def usable_cache_dir(folder: str, name: str = "SEXPGPU_CACHE_DIR") -> str:
   return folder
 
 
-def scrub(text: str) -> str:
-  """`text` without credentials: the one place secrets are masked in what a user sees.
-
-  A URI's `user:secret@` becomes `***@`; signed-URL keys and the values of the AWS and
-  Google credential variables become `***`. A URI credential, once seen, is remembered for
-  the process, so a library's own error that repeats it elsewhere (an S3 client naming
-  the bucket `KEY:SECRET@bucket`) is masked too.
-  """
-  text = str(text)
-  found = [m.group(2) for m in _URL_USER.finditer(text)]
-  if found:
-    with _SEEN_LOCK:
-      for info in found:
-        _SEEN_SECRETS.add(info)
-        _SEEN_SECRETS.update(p for p in info.split(":") if len(p) >= 4)
-  text = _URL_USER.sub(r"\1***@", text)
-  text = _SIGNED.sub(r"\1***", text)
-  with _SEEN_LOCK:
-    seen = sorted(_SEEN_SECRETS, key=len, reverse=True)
-  for secret in seen + [os.environ.get(v, "") for v in _SECRET_VARS]:
-    if len(secret) >= 4:
-      text = text.replace(secret, "***")
-  return text
-
-
 def scrubbed(value):
-  """`value` (strings, dicts, lists, tuples) with every string in it scrubbed (`scrub`)."""
+  """`value` (strings, dicts, lists, tuples, sets) with every string in it scrubbed (`scrub`):
+  what the status file, every metrics event, a checkpoint's meta and the --json summary
+  hold. Sequences and sets come back as lists, as JSON writes them."""
   if isinstance(value, str):
     return scrub(value)
   if isinstance(value, dict):
     return {k: scrubbed(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
+  if isinstance(value, (list, tuple, set, frozenset)):
     return [scrubbed(v) for v in value]
   return value
 
@@ -173,8 +144,7 @@ def redact(uri: str) -> str:
   """A URI without its `user:secret@` and its query (signed-URL keys): the location alone,
   for messages and cache keys. Its credentials are remembered as `scrub` remembers them, so
   a library's error that repeats them is masked too."""
-  scrub(uri)
-  return _URL_USER.sub(r"\1", uri).split("?", 1)[0]
+  return without_credentials(uri).split("?", 1)[0]
 
 
 def scheme(location: str) -> str | None:

@@ -63,3 +63,43 @@ def test_threads_writing_one_file_never_collide(tmp_path):
     t.join()
   text = open(target).read()
   assert not errors and len(set(text)) == 1 and len(text) == 1000
+
+
+def test_one_scrubber_serves_every_writer():
+  """paths.scrub is errors.scrub (below every layer, for SxError and the slug), and the
+  writers' choke points use it: an error's words, a line of output, a metrics event."""
+  import io
+
+  from sexpgpu import errors
+  from sexpgpu.ckpt import where
+  from sexpgpu.run import output
+  from sexpgpu.track import open_metrics
+  assert paths.scrub is errors.scrub and where.scrub is errors.scrub
+  uri = "s3://AKIAP1:SECp1/x+y@bucket/k?token=TOKp1abcd"
+  shown = "s3://***@bucket/k?token=***"
+  e = errors.SxError("E-CKPT-004", f"cannot write {uri}", where=uri, fix=f"see {uri}",
+                     notes=[("at", uri)])
+  assert (e.message, e.where, e.fix, e.notes) == (f"cannot write {shown}", shown,
+                                                  f"see {shown}", [("at", shown)])
+  e.fix = uri  # changed after it was made (as the CLI does with a hint): rendered scrubbed
+  assert "SECp1" not in e.render() and "TOKp1abcd" not in str(e.with_note("n", uri))
+  stream = io.StringIO()
+  output.write(stream, f"run: checkpoints {uri}\n")
+  assert stream.getvalue() == f"run: checkpoints {shown}\n"
+  assert open_metrics(None, "run").emit("checkpoint", location=uri)["location"] == shown
+
+
+def test_the_credentials_remembered_are_bounded():
+  """A process that meets endless credentials (a fuzzer) keeps the newest _SEEN_MOST."""
+  from sexpgpu import errors
+  kept = dict(errors._SEEN_SECRETS), list(errors._SEEN_ORDER)
+  try:
+    for i in range(errors._SEEN_MOST + 50):
+      paths.scrub(f"s3://user{i:05d}:secret{i:05d}@bucket/p")
+    assert len(errors._SEEN_SECRETS) == errors._SEEN_MOST
+    newest = f"secret{errors._SEEN_MOST + 49:05d}"
+    assert paths.scrub(f"a line naming {newest}") == "a line naming ***"
+  finally:
+    errors._SEEN_SECRETS.clear()
+    errors._SEEN_SECRETS.update(kept[0])
+    errors._SEEN_ORDER[:] = kept[1]

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from sexpgpu.errors import SxError
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT, format_value
+from sexpgpu.paths import scrub, scrubbed
 from sexpgpu.record import jsonable, versions
 
 
@@ -20,12 +21,15 @@ def identity(fingerprint: str, graph_fingerprint: str, slug: str, knobs: Mapping
 
   Args:
     fingerprint, graph_fingerprint: the selection's and the graph's fingerprints.
-    slug: the run's slug.
-    knobs: knob name → its bound value.
+    slug: the run's slug (it carries no credentials: lang/select.py's make_slug).
+    knobs: knob name → its bound value; written scrubbed of credentials (paths.scrub), as
+      everything a checkpoint's meta shows is (`--set init-from=s3://K:S@b/x` is kept as
+      `s3://***@b/x`: the run had the value, the meta need not).
     sources: the `.sx` sources, path → text.
   """
-  return {"fingerprint": fingerprint, "graph_fingerprint": graph_fingerprint, "slug": slug,
-          "knobs": {k: jsonable(v) for k, v in knobs.items()}, "sources": dict(sources)}
+  return {"fingerprint": fingerprint, "graph_fingerprint": graph_fingerprint,
+          "slug": slug, "knobs": scrubbed({k: jsonable(v) for k, v in knobs.items()}),
+          "sources": dict(sources)}
 
 
 def build(ident: dict, step: int, stage: int, *, counters: Mapping[str, int],
@@ -86,9 +90,10 @@ def check_experiment(meta: Mapping[str, Any], step_dir: str, fingerprint: str,
   if meta.get("fingerprint") == fingerprint:
     return
   theirs = meta.get("knobs", {})
+  # the meta keeps values scrubbed (identity), so both sides are compared as shown
   diffs = [f"{k} {format_value(theirs.get(k))} → {format_value(knobs.get(k))}"
            for k in sorted(set(theirs) | set(knobs)) if k not in NOT_IN_FINGERPRINT
-           and str(theirs.get(k)) != str(knobs.get(k))]
+           and scrub(str(theirs.get(k))) != scrub(str(knobs.get(k)))]
   what = ("knobs differ: " + ", ".join(diffs)) if diffs else "the model's IR differs"
   raise SxError("E-CKPT-002", f"the checkpoint is of another experiment ({what})",
                 where=step_dir, fix="resume with the selection that wrote it, or start afresh "

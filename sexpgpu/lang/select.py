@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from sexpgpu.env import get as env_get
-from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.errors import SxError, did_you_mean, without_credentials
 from sexpgpu.lang.mesh import is_mesh, parse_mesh
 from sexpgpu.lang.program import KnobDecl, Program, literal_value, split_keywords
 from sexpgpu.reader import Atom, Keyword, Symbol
@@ -331,6 +331,13 @@ def _stem(path: str) -> str:
 
 
 def make_slug(stem: str, variant: str | None, sets: list[tuple[str, Any]]) -> str:
-  """stem[-variant][-k=v ...] as one safe folder name (paths.slug_component)."""
-  parts = [stem] + ([variant] if variant else []) + [f"{k}={format_value(v)}" for k, v in sets]
+  """stem[-variant][-k=v ...] as one safe folder name (paths.slug_component).
+
+  A value's credentials never enter it: a URI's `user:secret@` and its credential query
+  parameters are removed (errors.without_credentials), so the configuration line, the
+  status, the metrics and checkpoint folder names carry none, and a run whose credentials
+  change keeps its slug. The run itself still gets the value as given.
+  """
+  parts = [stem] + ([variant] if variant else []) + [
+      f"{k}={without_credentials(format_value(v))}" for k, v in sets]
   return slug_component("-".join(parts))

@@ -7,13 +7,17 @@ import statistics
 import sys
 from typing import TextIO
 
+from sexpgpu.paths import scrub
+
 # The streams found closed (a reader such as `| head -1` that went away): nothing more is
 # written to them, and the run goes on.
 _CLOSED: set[int] = set()
 
 
 def write(stream: TextIO, text: str) -> bool:
-  """Writes and flushes `text`; a closed pipe is not an error: the run goes on without it.
+  """Writes and flushes `text`, scrubbed of credentials (paths.scrub: every line of a run,
+  an error, `check`'s print-outs and the commands' text pass here); a closed pipe is not
+  an error: the run goes on without it.
 
   Args:
     stream: sys.stdout or sys.stderr.
@@ -22,6 +26,7 @@ def write(stream: TextIO, text: str) -> bool:
   Returns:
     Whether it was written.
   """
+  text = scrub(text)
   fd = _fileno(stream)
   if (fd if fd >= 0 else id(stream)) in _CLOSED:
     return False

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from sexpgpu.paths import scrub
 from sexpgpu.track.events import to_json
 from sexpgpu.track.targets import TargetError, ensure_dir, os_reason
 
@@ -93,6 +94,6 @@ def repair(path: str) -> int:
       f.truncate(cut)
   except FileNotFoundError:
     return 0
-  print(f"metrics: {path} ended in a cut-off line ({end - cut} bytes, no whole event); "
+  print(f"metrics: {scrub(path)} ended in a cut-off line ({end - cut} bytes, no whole event); "
         "removed it before appending", file=sys.stderr, flush=True)
   return end - cut

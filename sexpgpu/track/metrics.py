@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 from sexpgpu.env import METRICS_FORMS, parse_metrics
 from sexpgpu.errors import SxError
-from sexpgpu.paths import scrub
+from sexpgpu.paths import scrub, scrubbed
 from sexpgpu.track.jsonl_target import JsonlTarget
 from sexpgpu.track.mlflow_target import MlflowTarget
 from sexpgpu.track.targets import Target, TargetError
@@ -62,11 +62,12 @@ class Metrics:
     """
     for target in self._targets:
       if isinstance(target, JsonlTarget):
-        return target.location
+        return scrub(target.location)
     return scrub(self._targets[0].location) if self._targets else None
 
   def emit(self, kind: str, **fields) -> dict:
-    """Sends one event to every target.
+    """Sends one event to every target, its strings scrubbed of credentials (paths.scrub:
+    the one place every target's events pass).
 
     Args:
       kind: the event kind (config, annotation, step, pass, eval, sample,
@@ -82,7 +83,9 @@ class Metrics:
     """
     event = {"kind": kind, **fields}
     event.setdefault("slug", self._slug)
-    event["time"] = time.time()
+    event = {**scrubbed(event), "time": time.time()}
+    if fields.get("slug", self._slug) == self._slug:
+      event["slug"] = self._slug  # whole, as sweep matches it: make_slug keeps out credentials
     with self._lock:
       if self._closed:
         return event

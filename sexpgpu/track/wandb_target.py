@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 import signal
+import sys
 from typing import Any, Iterator
 
 from sexpgpu.paths import scrub, scrubbed
@@ -80,7 +81,7 @@ class WandbTarget:
     self._exit_code = FAILED
     self._tables: dict[str, Any] = {}
     wandb = _import_wandb()
-    with quiet_warnings(), _wandb_errors(self.project):
+    with quiet_warnings(), _wandb_errors(self.project), _scrubbed_argv():
       self._run = wandb.init(
           project=self.project, name=self.name, id=self.run_id, resume="allow",
           mode=_mode(wandb), dir=os.environ.get("WANDB_DIR") or None, reinit="create_new",
@@ -265,6 +266,18 @@ def _mode(wandb) -> str:
   if asked:
     raise TargetError(f"WANDB_MODE={asked}, and W&B has no API key", _KEY_FIX)
   return "offline"
+
+
+@contextlib.contextmanager
+def _scrubbed_argv() -> Iterator[None]:
+  """W&B keeps the command line (sys.argv) in its run's metadata, read while the run starts:
+  it reads it scrubbed (`--set init-from=s3://K:S@b/x` as `s3://***@b/x`)."""
+  kept = sys.argv
+  sys.argv = [scrub(a) for a in kept]
+  try:
+    yield
+  finally:
+    sys.argv = kept
 
 
 @contextlib.contextmanager
