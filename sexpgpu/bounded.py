@@ -61,6 +61,8 @@ class _Reader:
       raise self.error("is a folder, not a file") from None
     except OSError as e:
       raise self.error(f"cannot be read: {e.strerror or type(e).__name__}") from None
+    except ValueError:  # a NUL in the name
+      raise self.error("is no path (it holds a NUL character)") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
       os.close(fd)
@@ -203,7 +205,11 @@ def read_lines(path: str, *, limit: int, line_limit: int, what: str, code: str,
     with os.fdopen(fd, "rb", closefd=False) as f:
       total = 0
       for number in range(1, 1 << 62):
-        line = f.readline(line_limit + 1)
+        try:
+          line = f.readline(line_limit + 1)
+        except OSError as e:  # EIO from a /proc file, a disk going away
+          raise reader.error(f"cannot be read at line {number}: "
+                             f"{e.strerror or type(e).__name__}") from None
         if not line:
           return
         total += len(line)

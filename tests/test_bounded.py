@@ -84,3 +84,11 @@ def test_lines_are_bounded_each_and_together(tmp_path):
     next(lines)
   assert "larger than 20 bytes" in _refused(
       lambda path, **kw: list(bounded.read_lines(path, line_limit=60, **kw)), str(p), limit=20)
+
+
+def test_a_name_with_a_nul_and_a_file_that_fails_mid_read(tmp_path):
+  assert "NUL" in _refused(bounded.read_text, "a\0b", limit=10)
+  if os.path.exists("/proc/self/mem"):  # a regular file whose reads fail (EIO)
+    message = _refused(lambda path, **kw: list(bounded.read_lines(path, **kw)),
+                       "/proc/self/mem", limit=100, line_limit=10)
+    assert "cannot be read" in message

@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from sexpgpu import paths
+from sexpgpu import bounded, paths
+from sexpgpu.errors import SxError
 
 FORMAT = "sexpgpu-token-cache/1"
 MANIFEST = "manifest.json"
+MANIFEST_LIMIT = 256 * bounded.MiB  # a line a shard: millions of shards
 TOKENIZER = "tokenizer.json"
 
 
@@ -45,12 +47,12 @@ def write_atomic(path: str, data: bytes) -> None:
 
 def read_manifest(folder: str) -> dict[str, Any] | None:
   """The manifest of a cache folder, or None when there is none or it does not parse."""
-  try:
-    with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
-      manifest = json.load(f)
-  except (OSError, ValueError):
+  try:  # bounded: a manifest lists a shard a line, far below MANIFEST_LIMIT
+    manifest = bounded.read_json(os.path.join(folder, MANIFEST), limit=MANIFEST_LIMIT,
+                                 what="token cache manifest", code="E-LOAD-003")
+  except SxError:
     return None
-  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+  if manifest.get("format") != FORMAT:
     return None
   return manifest
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from sexpgpu import bounded
 from sexpgpu.errors import Loc, SxError
 
 DELIMITER = " "  # the harness's default target_delimiter
@@ -61,28 +62,35 @@ _SHAPES = ('a multiple-choice line is {"context": "The sky is", "choices": ["blu
            ' "gold": 0}; a text line is {"text": "..."}')
 
 
+# A task file is read line by line within these bounds (lm-evaluation-harness's largest
+# tasks are tens of MiB; a book-length text document is a few MiB).
+TASK_BYTES = bounded.GiB
+LINE_BYTES = 16 * bounded.MiB
+
+
 def load_task(path: str, limit: int | None = None) -> Task:
   """The task in the `.jsonl` file `path` (its first `limit` documents, if given).
 
+  The file is read through `sexpgpu.bounded`: a regular UTF-8 file of at most TASK_BYTES,
+  each line at most LINE_BYTES, each document JSON nested at most `bounded.DEPTH` levels;
+  reading stops after `limit` documents.
+
   Raises:
-    SxError: E-EVAL-001 naming the file and line of the first document that is not JSON,
-      not one of the two shapes, or of another kind than the first; or an empty file.
+    SxError: E-EVAL-001 naming the file (and the line) of a file that cannot be read, is
+      not a regular file or passes a bound, or of the first document that is not JSON, not
+      one of the two shapes, or of another kind than the first; or an empty file.
   """
-  try:
-    with open(path, encoding="utf-8") as f:
-      lines = f.read().splitlines()
-  except (OSError, UnicodeDecodeError) as e:
-    raise SxError("E-EVAL-001", f"cannot read the task file {path}: {e}", where=path,
-                  fix="give a .jsonl file, one document a line") from None
+  lines = bounded.read_lines(path, limit=TASK_BYTES, line_limit=LINE_BYTES, what="task file",
+                             code="E-EVAL-001", where=path, fix="give a .jsonl file of at "
+                             f"most {bounded.size_text(TASK_BYTES)}, one document a line of "
+                             f"at most {bounded.size_text(LINE_BYTES)}")
   docs, kind = [], None
-  for n, raw in enumerate(lines, 1):
+  for n, raw in _readable(lines, path):
+    if limit is not None and len(docs) >= limit:
+      break
     if not raw.strip():
       continue
-    try:
-      obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-      raise _bad(path, n, f"not JSON ({e.msg} at column {e.colno})", _SHAPES) from None
-    doc, k = _doc(path, n, obj)
+    doc, k = _doc(path, n, _json_line(path, n, raw))
     if kind is not None and k != kind:
       raise _bad(path, n, f"a {k} document in a task whose first document is {kind}",
                  "keep multiple-choice and text documents in two task files")
@@ -92,7 +100,36 @@ def load_task(path: str, limit: int | None = None) -> Task:
     raise SxError("E-EVAL-001", f"the task file {path} holds no document", where=path,
                   fix=_SHAPES)
   name = os.path.splitext(os.path.basename(path))[0]
-  return Task(name, path, kind, tuple(docs[:limit]))
+  return Task(name, path, kind, tuple(docs))
+
+
+def _readable(lines, path: str):
+  """`lines`, with a read that fails (EIO of /proc/self/mem) as E-EVAL-001: read_lines lets
+  its readline's OSError through."""
+  try:
+    yield from lines
+  except OSError as e:
+    raise SxError("E-EVAL-001", f"task file {path}: cannot be read: "
+                  f"{e.strerror or type(e).__name__}", where=path,
+                  fix="give a task file on a disk, not a file of /proc or /sys") from None
+
+
+def _json_line(path: str, n: int, raw: str) -> Any:
+  """One line's JSON value, nested at most `bounded.DEPTH` levels (json.loads recurses: a
+  line of 100,000 `[` is a RecursionError, caught here)."""
+  try:
+    obj = json.loads(raw)
+  except RecursionError:
+    obj = None
+  except ValueError as e:  # a JSONDecodeError, or an integer past 4,300 digits
+    why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+    raise _bad(path, n, f"not JSON ({why})", _SHAPES) from None
+  else:
+    if bounded.json_depth(obj) <= bounded.DEPTH:
+      return obj
+  raise _bad(path, n, f"JSON nested deeper than {bounded.DEPTH} levels (a document is an "
+             "object of strings, a list of strings and a number)", '{"context": "...", '
+             '"choices": ["...", "..."], "gold": 0}, nested two levels')
 
 
 def _doc(path: str, n: int, obj: Any) -> tuple[Doc, str]:
@@ -104,8 +141,9 @@ def _doc(path: str, n: int, obj: Any) -> tuple[Doc, str]:
     return Doc(n, text=obj["text"]), "text"
   missing = [k for k in ("context", "choices", "gold") if k not in obj]
   if missing:
+    found = ", ".join(repr(k)[:40] for k in list(obj)[:8]) + (", ..." if len(obj) > 8 else "")
     raise _bad(path, n, f"no {', '.join(repr(k) for k in missing)} (found "
-               f"{', '.join(repr(k) for k in obj) or 'nothing'})", _SHAPES)
+               f"{found or 'nothing'})", _SHAPES)
   context, choices, gold = obj["context"], obj["choices"], obj["gold"]
   if not isinstance(context, str):
     raise _bad(path, n, '"context" must be a string', _SHAPES)
@@ -114,7 +152,7 @@ def _doc(path: str, n: int, obj: Any) -> tuple[Doc, str]:
     raise _bad(path, n, '"choices" must be a list of two or more non-empty strings', _SHAPES)
   if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
     raise _bad(path, n, f'"gold" must be the index of a choice, 0..{len(choices) - 1}; found '
-               f"{json.dumps(gold)}", '"gold": 0 for the first choice')
+               f"{json.dumps(gold)[:40]}", '"gold": 0 for the first choice')
   return Doc(n, context=context, choices=tuple(choices), gold=gold), "choice"
 
 
@@ -292,6 +330,7 @@ class Scorer:
       graph = source.logits_graph(self.c, self.fn, self.window, self.batch,
                                   packed=self.packed)
       self.vocab = graph.outputs["out"].shape[-1]
+      check_memory(self.batch, self.window, self.vocab)
       ctx = LowerCtx(str(self.c.exp.run["precision"]), None, False, [], None)
       packed = self.packed
 
@@ -354,6 +393,44 @@ class Scorer:
       best[at:at + n] = host(hit)[:n]
     per = [(float(logp[r, a:b].sum()), bool(best[r, a:b].all())) for r, a, b in rows.spans]
     return _metrics(task, reqs, per, skipped, rows.tokens.shape[0])
+
+
+# The most rows one call scores (`sexpgpu eval --batch`): past it a call is no faster on any
+# card, and `check_memory` still holds a smaller batch to the device's memory.
+MAX_BATCH = 4096
+
+
+def call_bytes(batch: int, window: int, vocab: int) -> int:
+  """About what one scoring call holds: its logits, their log-softmax and the comparison
+  with the targets (f32 each, the rest small), and its four int32 input rows on the host."""
+  return batch * window * (3 * 4 * vocab + 4 * 4 + 4 + 1)
+
+
+def check_memory(batch: int, window: int, vocab: int) -> None:
+  """Refuses a batch whose call does not fit the device's free memory, before anything of
+  that size is allocated (a device that reports no memory is not checked).
+
+  Raises:
+    SxError: E-MEM-001 naming the batch, what it needs, what is free and the batch that fits.
+  """
+  import jax
+  from sexpgpu import env
+  from sexpgpu.devices.memory import free_bytes_of, human
+  need = call_bytes(batch, window, vocab)
+  try:
+    free = free_bytes_of(jax.devices()[0], env.get("SEXPGPU_MEMORY"))
+  except SxError as e:
+    if e.code != "E-MEM-002":
+      raise
+    return  # a GPU without statistics: the call's own allocation says whether it fits
+  if need <= free:
+    return
+  fits = free // call_bytes(1, window, vocab)
+  raise SxError("E-MEM-001", f"a scoring call of {batch} rows of {window} positions and "
+                f"{vocab} logits needs about {human(need)}; {human(free)} is free",
+                where=f"the evaluation's batch ({batch} rows a call)",
+                fix=f"lower --batch (or defeval :batch) to at most {max(fits, 1)} rows"
+                if fits else "evaluate on a device with more memory: one row does not fit")
 
 
 def _rows_slice(a: np.ndarray, at: int, batch: int) -> np.ndarray:

@@ -38,8 +38,8 @@ def _tokenizer_config(tokenizer: str, config: dict, positions: int | None) -> di
   or Mamba folder gets a tokenizer class that adds `<s>` and `</s>` as new tokens and puts
   `<s>` before every text, so lm-evaluation-harness would score other ids than the model
   was trained on."""
-  with open(tokenizer, encoding="utf-8") as f:
-    names = {int(t["id"]): str(t["content"]) for t in json.load(f).get("added_tokens") or []}
+  names = {t["id"]: str(t["content"]) for t in twin.added_tokens(tokenizer)
+           if isinstance(t.get("id"), int) and "content" in t}
   out = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
          "add_eos_token": False, "bos_token": names.get(config.get("bos_token_id")),
          "eos_token": names.get(config.get("eos_token_id"))}
@@ -98,33 +98,6 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
                   fix="give -o a path in a folder you can write to") from e
 
 
-def import_twin(c, folder: str, out: str) -> str:
-  """A step-0 checkpoint of experiment `c` from a Hugging Face GPT-2, Llama, Mixtral or Mamba
-  folder.
-
-  Args:
-    c: the Compiled experiment (a gpt2, llama, mixtral or mamba model).
-    folder: a folder with config.json and model.safetensors (PyTorch or Flax names).
-    out: the checkpoint location; the step folder is `<out>/<slug>/0`.
-
-  Returns:
-    The step folder written.
-
-  Raises:
-    SxError: E-EXPORT-001 when the experiment's model has no twin; E-INIT-001 when the
-      folder's configuration or tensors do not match it (both sides listed).
-  """
-  g = twin.find(c.params, c.stages[0].graph, "sexpgpu import")
-  tensors, config = source.read_twin_folder(folder, folder)
-  params, problems = twin.from_folder(g, tensors, config, folder)
-  if problems:
-    raise SxError("E-INIT-001", f"{folder} does not fit {c.program.path}: "
-                  + "; ".join(problems), where=folder,
-                  fix=f"import into an experiment whose {g.kind} has the folder's shape (the "
-                  "values of its config.json, set as knobs)")
-  return write_step0(c, params, out)
-
-
 def write_step0(c, params: dict[str, np.ndarray], out: str) -> str:
   """A checkpoint of experiment `c` at step 0 holding `params`, a fresh optimizer and
   fresh loaders: `sexpgpu run FILE.sx --resume <it>` trains from there."""
@@ -134,7 +107,7 @@ def write_step0(c, params: dict[str, np.ndarray], out: str) -> str:
   from sexpgpu.ir.ops import DTYPES
   from sexpgpu.lower.optim import make_optimizer
   from sexpgpu.lower.step import init_state
-  opt, _ = make_optimizer(c.exp.optimizer, int(c.exp.run["steps"]))
+  opt, _ = make_optimizer(c.exp.optimizer, int(c.exp.run["steps"]), c.stages[0].graph)
   host = {k: jax.numpy.asarray(v, DTYPES[c.params[k].dtype]) for k, v in params.items()}
   state = init_state(host, opt)
   counters = {"records": 0}

@@ -9,7 +9,9 @@ compiled `lax.fori_loop`, with the same numbers on every run for a seed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import time
 from typing import Any
 
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sexpgpu import env
+from sexpgpu import bounded, env
 from sexpgpu.errors import SxError
 from sexpgpu.models import forward, source
 
@@ -31,6 +33,47 @@ class Settings:
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
+
+
+# The most tokens one call writes: several times the longest window of the models sexpgpu
+# builds (the continuation's buffer and the decode loop are sized by it, and a recomputed
+# window costs a full forward a token).
+MAX_TOKENS = 65_536
+# The smallest temperature above 0 (greedy): below it the scaled logits pass f32's range.
+MIN_TEMPERATURE = 1e-4
+# What each setting takes: (field, low, high, the range in words, why); temperature 0
+# (greedy) too. jax.lax.top_k takes an int32 k; a seed is 32 bits (2**32 draws as 0 does).
+RANGES = (
+    ("tokens", 1, MAX_TOKENS, f"1 to {MAX_TOKENS}",
+     "the most one call writes; continue from its output for more"),
+    ("temperature", MIN_TEMPERATURE, 100.0, f"0, or {MIN_TEMPERATURE:g} to 100",
+     "0 is greedy; a smaller one scales the logits past f32"),
+    ("top_k", 0, 2**31 - 1, f"0 to {2**31 - 1}", "0 keeps every token, as a k past the "
+     "vocabulary does"),
+    ("top_p", math.ulp(0.0), 1.0, "more than 0, at most 1",
+     "the probability mass kept; 1 keeps every token"),
+    ("seed", 0, 2**32 - 1, f"0 to {2**32 - 1}", "a 32-bit seed"),
+)
+
+
+def check_settings(s: Settings, name=lambda field: "--" + field.replace("_", "-")) -> None:
+  """Refuses settings outside RANGES, before anything is compiled.
+
+  Args:
+    s: the settings.
+    name: how the caller spells a field (a flag by default: `--top-k`).
+
+  Raises:
+    SxError: E-FORM-001 naming the setting, its value and its range.
+  """
+  for field, low, high, span, why in RANGES:
+    value = getattr(s, field)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and (low <= value <= high or (field == "temperature" and value == 0)):
+      continue  # a NaN is in no range
+    shown = f"{value:g}" if isinstance(value, float) else str(value)[:40]
+    raise SxError("E-FORM-001", f"{name(field)} is {shown}; it takes {span}",
+                  where=name(field), fix=f"give {name(field)} {span} ({why})")
 
 
 @dataclasses.dataclass
@@ -79,7 +122,8 @@ def choose(logits, key, s: Settings):
     order = jnp.argsort(-logits)
     probs = jax.nn.softmax(logits[order])
     before = jnp.cumsum(probs) - probs  # the mass of the more likely tokens
-    drop_sorted = before >= s.top_p  # the first token always stays
+    # the first token always stays, even for a top-p that f32 rounds to 0
+    drop_sorted = (before >= s.top_p).at[0].set(False)
     drop = jnp.zeros_like(drop_sorted).at[order].set(drop_sorted)
     logits = jnp.where(drop, -jnp.inf, logits)
   return jax.random.categorical(key, logits).astype(jnp.int32)
@@ -247,11 +291,36 @@ def tokenizer_of(c, given: str | None):
   path = given if given is not None else tokenizer_path(c)
   if path is None:
     return None
+  text = bounded.read_text(path, limit=TOKENIZER_BYTES, what="tokenizer", code="E-TOK-002",
+                           where="--tokenizer", fix="pass a tokenizer.json file (a Llama 3 "
+                           "one is 9 MiB)")
   try:
-    return Tokenizer.from_file(path)
+    return Tokenizer.from_str(text)
   except Exception as e:  # pylint: disable=broad-except
     raise SxError("E-TOK-002", f"--tokenizer {path}: not a tokenizer.json ({e})",
                   where="--tokenizer", fix="pass the tokenizer.json file") from e
+
+
+# The largest tokenizer.json read (GPT-2's is 1.4 MiB, Llama 3's 9 MiB).
+TOKENIZER_BYTES = 64 * bounded.MiB
+# The largest prompt file read: far more text than any window holds.
+PROMPT_BYTES = bounded.MiB
+
+
+def read_prompt(path: str) -> str:
+  """The text of a prompt file (`--prompt-file`): a regular UTF-8 file of at most
+  PROMPT_BYTES, read before anything is compiled.
+
+  Raises:
+    SxError: E-FORM-001 for a file that is missing, not a regular file (a FIFO,
+      /dev/zero), larger than PROMPT_BYTES, or not UTF-8.
+  """
+  return bounded.read_text(path, limit=PROMPT_BYTES, what="prompt file", code="E-FORM-001",
+                           where="--prompt-file", fix="give --prompt-file a UTF-8 text file "
+                           f"of at most {bounded.size_text(PROMPT_BYTES)}, or --prompt TEXT")
+
+
+_ID = re.compile(r"-?[0-9]{1,19}")  # past 19 digits no id is in any vocabulary
 
 
 def parse_ids(text: str) -> list[int]:
@@ -262,7 +331,7 @@ def parse_ids(text: str) -> list[int]:
   """
   out = []
   for word in text.split():
-    if not word.lstrip("-").isdigit():
+    if not _ID.fullmatch(word):  # ASCII digits: str.isdigit takes "²", which int() refuses
       raise SxError("E-FORM-001", f"the prompt word {word!r} is not a token id, and this "
                     "experiment has no tokenizer", where="--prompt",
                     fix='give ids separated by spaces (--prompt "3 1 4"), or --tokenizer FILE')

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sexpgpu import bounded
 from sexpgpu.errors import SxError
 from sexpgpu.models import twin_families as families
 from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _layers,
@@ -110,6 +111,24 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", 
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
 
 
+TOKENIZER_LIMIT = 256 * bounded.MiB  # a tokenizer.json (a few MB for a 128k vocabulary)
+TOKENIZER_FIX = "give --tokenizer a tokenizer.json (sexpgpu tokenize writes one)"
+
+
+def added_tokens(tokenizer: str) -> list[dict]:
+  """The `added_tokens` records of a tokenizer.json (those that are objects), read within
+  TOKENIZER_LIMIT.
+
+  Raises:
+    SxError: E-TOK-002 when the file is missing, no regular file, too large, not JSON or
+      not an object.
+  """
+  data = bounded.read_json(tokenizer, limit=TOKENIZER_LIMIT, what="tokenizer",
+                           code="E-TOK-002", where="--tokenizer", fix=TOKENIZER_FIX)
+  added = data.get("added_tokens")
+  return [t for t in added if isinstance(t, dict)] if isinstance(added, list) else []
+
+
 def token_ids(tokenizer: str, vocab: int) -> dict[str, int | None]:
   """The twin's `bos_token_id` and `eos_token_id`, read from a tokenizer.json.
 
@@ -126,15 +145,12 @@ def token_ids(tokenizer: str, vocab: int) -> dict[str, int | None]:
   Raises:
     SxError: E-TOK-002 when the file is not a tokenizer.json.
   """
-  import json  # pylint: disable=import-outside-toplevel
   try:
-    with open(tokenizer, encoding="utf-8") as f:
-      added = json.load(f).get("added_tokens") or []
-    special = {str(t["content"]): int(t["id"]) for t in added if t.get("special", True)}
-  except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-    raise SxError("E-TOK-002", f"{tokenizer} is not a tokenizer.json ({type(e).__name__})",
-                  where="--tokenizer", fix="give --tokenizer a tokenizer.json (sexpgpu "
-                  "tokenize writes one)") from e
+    special = {str(t["content"]): int(t["id"]) for t in added_tokens(tokenizer)
+               if t.get("special", True)}
+  except (TypeError, KeyError, ValueError) as e:
+    raise SxError("E-TOK-002", f"{tokenizer} is not a tokenizer.json: its added_tokens hold "
+                  f"{type(e).__name__}: {e}", where="--tokenizer", fix=TOKENIZER_FIX) from None
   special = {k: v for k, v in special.items() if 0 <= v < vocab}
   eos = next((special[n] for n in EOS_NAMES if n in special), None)
   if eos is None and len(special) == 1:

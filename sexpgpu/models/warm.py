@@ -2,7 +2,9 @@
 Hugging Face folder (`:init-from`); the optimizer, the step and the loaders start fresh.
 
 Every parameter is checked against the source before any initializer runs: E-INIT-001 lists
-each one that is missing, extra or of another shape or dtype, with both sides.
+each one that is missing, extra or of another shape or dtype, with both sides, and each one
+that holds NaN or infinity (there is no keyword to take those: `sexpgpu import
+--allow-nonfinite` makes a checkpoint of such a folder, and `--resume` starts from it).
 """
 
 from __future__ import annotations
@@ -44,12 +46,10 @@ def load(c, value: str) -> tuple[dict[str, np.ndarray], str]:
   where = ":init-from"
   if value.startswith("hf:"):
     folder = _local(value[3:], c)
-    tensors, config = source.read_twin_folder(folder, where)
-    g = twin.find(c.params, c.stages[0].graph, ":init-from hf:")
-    params, problems = twin.from_folder(g, tensors, config, folder)
-    if problems:
-      raise SxError("E-INIT-001", f"{value} does not fit this {g.kind}: "
-                    + "; ".join(problems), where=where, fix=FIX)
+    params = source.twin_params(
+        c, folder, where, ":init-from hf:",
+        lambda g, problems: SxError("E-INIT-001", f"{value} does not fit this {g.kind}: "
+                                    + "; ".join(problems), where=where, fix=FIX))
     return params, f"hf:{folder}"
   if value.endswith(".safetensors"):
     path = _local(value, c)
@@ -80,7 +80,7 @@ def check(c, loaded: dict[str, np.ndarray], what: str, partial: bool) -> list[st
 
   Raises:
     SxError: E-INIT-001 listing every missing (unless `partial`), extra or mismatched
-      parameter, both sides.
+      parameter, both sides; then each one that holds NaN or infinity.
   """
   missing = sorted(p for p in c.params if p not in loaded)
   extra = sorted(p for p in loaded if p not in c.params)
@@ -101,6 +101,11 @@ def check(c, loaded: dict[str, np.ndarray], what: str, partial: bool) -> list[st
     raise SxError("E-INIT-001", f"the warm start from {what} does not fit "
                   f"{len(lines)} parameter{'s' if len(lines) != 1 else ''}:\n    "
                   + "\n    ".join(lines), where=":init-from", fix=FIX)
+  source.refuse_nonfinite({p: loaded[p] for p in c.params if p in loaded},
+                          f"the warm start from {what}", ":init-from",
+                          fix="start from a checkpoint from before the values went non-finite; "
+                          "to train from them anyway, sexpgpu import --allow-nonfinite a "
+                          "Hugging Face folder and run with --resume")
   return missing
 
 

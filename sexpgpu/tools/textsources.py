@@ -7,7 +7,11 @@ import glob
 import io
 import json
 import os
+import re
 
+import numpy as np
+
+from sexpgpu import bounded
 from sexpgpu.data.remote import is_remote
 from sexpgpu.data.spec import redact
 from sexpgpu.errors import SxError
@@ -19,6 +23,18 @@ READERS = {".txt": "text", ".md": "text", ".rst": "text", "": "text", ".jsonl": 
            ".parquet": "parquet"}
 AS = ("text", "jsonl", "parquet")
 EXTENSIONS = tuple(e for e in READERS if e)
+# The most bytes read from one source: it is held whole in memory and encoded in one batch.
+SOURCE_LIMIT = bounded.GiB
+# The longest run of one character class (letters, digits, other signs, whitespace) that a
+# document may hold: the byte-level pre-tokenizer makes each run one word, and BPE training
+# and encoding grow faster than linearly in a word's length (1 MiB of letters: 1.3 s to
+# encode, 500 s to train 1000 merges; 4 MiB: 10 s to encode). Natural text stays far below.
+WORD_LIMIT = 32 * bounded.KiB
+# The longest document (a text file, a .jsonl line, a .parquet row), in characters: one
+# document is encoded whole by one thread, its encoding holding some 200 bytes a token (an
+# 8 MiB line of words: 111 s and 1.4 GB where 100 lines of it take 71 s and 0.95 GB; 33 MB:
+# 318 s and 6.4 GB, on a loaded 2-core machine).
+DOC_LIMIT = 16 * bounded.MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +114,9 @@ def _expand_local(pattern: str, as_: str | None) -> list[Source]:
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
   elif os.path.isfile(pattern):
     paths = [pattern]
+  elif os.path.exists(pattern):
+    raise tok_error(pattern, "not a regular file (a FIFO, a device or a socket)",
+                    "give text files; a pipe or a device is never read as a source")
   else:
     raise tok_error(pattern, "no such file", "check the path")
   out = []
@@ -133,17 +152,24 @@ def _expand_remote(pattern: str, as_: str | None) -> list[Source]:
 
 
 def read_bytes(source: Source) -> bytes:
-  """A source file's bytes.
+  """A source file's bytes, at most SOURCE_LIMIT of them.
 
   Raises:
-    SxError: E-TOK-001 when it cannot be read.
+    SxError: E-TOK-001 when it cannot be read, is no regular file or is larger than
+      SOURCE_LIMIT.
   """
+  if not is_remote(source.uri):
+    return bounded.read_bytes(source.uri, limit=SOURCE_LIMIT, what="source", code="E-TOK-001",
+                              where=redact(source.uri),
+                              fix=f"give regular text files of at most "
+                              f"{bounded.size_text(SOURCE_LIMIT)}; split a larger one")
+  if source.size > SOURCE_LIMIT:
+    raise tok_error(source.uri, f"{source.size} bytes, more than the "
+                    f"{bounded.size_text(SOURCE_LIMIT)} read from one source",
+                    "split the object into smaller ones under the prefix")
   try:
-    if is_remote(source.uri):
-      fs, path = remote_fs(source.uri)
-      return fs.cat_file(path)
-    with open(source.uri, "rb") as f:
-      return f.read()
+    fs, path = remote_fs(source.uri)
+    return fs.cat_file(path)
   except (OSError, ValueError) as e:
     raise tok_error(source.uri, f"cannot read it ({type(e).__name__}: {e})",
                     "check that the file exists and is readable") from None
@@ -164,6 +190,7 @@ def documents(source: Source, data: bytes, field: str) -> list[str]:
     return _parquet_documents(source, data, field)
   text = _text(source, data)
   if reader == "text":
+    _check_words(source, text, None)
     return [text]
   docs = []
   for n, line in enumerate(text.split("\n"), 1):
@@ -174,12 +201,17 @@ def documents(source: Source, data: bytes, field: str) -> list[str]:
     except ValueError as e:
       raise tok_error(source.uri, f"line {n} is not JSON ({e.msg})",
                       "write one JSON object a line", line=n) from None
+    except RecursionError:
+      raise tok_error(source.uri, f"line {n} nests deeper than Python's JSON reader goes",
+                      "write one flat JSON object a line, the text in its --field",
+                      line=n) from None
     value = record.get(field) if isinstance(record, dict) else None
     if not isinstance(value, str):
       found = "no field" if not isinstance(record, dict) or field not in record else (
           _JSON_TYPES.get(type(value), "a value"))
       raise tok_error(source.uri, f"line {n} has {found} `{field}`, expected a string",
                       "pass --field with the name of the text field", line=n)
+    _check_words(source, value, n)
     docs.append(value)
   if not docs:
     raise tok_error(source.uri, "no documents (every line is blank)", "give it JSON lines")
@@ -224,4 +256,52 @@ def _parquet_documents(source: Source, data: bytes, field: str) -> list[str]:
   docs = column.to_pylist()
   if not docs:
     raise tok_error(source.uri, "no rows: no documents", "remove it from the sources")
+  for row, doc in enumerate(docs, 1):
+    _check_words(source, doc, None, row)
   return docs
+
+
+def _runs(limit: int) -> re.Pattern:
+  """A run of more than `limit` letters, digits, other signs or whitespace, each matched
+  only from its start (the lookbehinds), so the search stays linear in the text."""
+  n = limit + 1
+  return re.compile(rf"(?<![^\W\d_])[^\W\d_]{{{n}}}|(?<!\d)\d{{{n}}}"
+                    rf"|(?<![^\w\s])(?<!_)(?:[^\w\s]|_){{{n}}}|(?<!\s)\s{{{n}}}")
+
+
+_RUNS: dict[int, re.Pattern] = {}
+_ASCII_SPACE = np.zeros(256, bool)
+_ASCII_SPACE[[9, 10, 11, 12, 13, 32]] = True
+
+
+def _may_hold_a_long_word(text: str, limit: int) -> bool:
+  """Whether `text`'s UTF-8 bytes hold a run of more than `limit` bytes between ASCII spaces,
+  or of ASCII spaces: true of every text holding a word longer than `limit` characters, and
+  found at numpy's speed (the regex reads 20 MB/s), so that only such texts are searched."""
+  data = np.frombuffer(text.encode("utf-8"), np.uint8)
+  space = _ASCII_SPACE[data]
+  edges = np.flatnonzero(space[1:] != space[:-1]) + 1
+  runs = np.diff(np.concatenate(([0], edges, [len(data)])))
+  return bool(runs.size) and int(runs.max()) > limit
+
+
+def _check_words(source: Source, text: str, line: int | None, row: int | None = None) -> None:
+  """E-TOK-001 when a document is longer than DOC_LIMIT characters or holds a word (one run
+  of a character class) longer than WORD_LIMIT."""
+  at = f"row {row}: " if row is not None else ""
+  if len(text) > DOC_LIMIT:
+    raise tok_error(source.uri, f"{at}a document of {len(text)} characters, more than the "
+                    f"{DOC_LIMIT} one document may hold (it is encoded whole, in one thread)",
+                    "split it into documents: several files, or a .jsonl with one a line",
+                    line=line)
+  if len(text) <= WORD_LIMIT or not _may_hold_a_long_word(text, WORD_LIMIT):
+    return
+  pattern = _RUNS.setdefault(WORD_LIMIT, _runs(WORD_LIMIT))
+  m = pattern.search(text)
+  if m is None:
+    return
+  raise tok_error(source.uri, f"{at}a word (a run without a break between letters, digits, "
+                  f"signs and spaces) longer than {WORD_LIMIT} characters at character "
+                  f"{m.start()}: the tokenizer's time grows faster than its length",
+                  f"break the text into words or lines of at most {WORD_LIMIT} characters, "
+                  "or leave this source out", line=line)

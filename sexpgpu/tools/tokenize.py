@@ -4,24 +4,37 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from sexpgpu import bounded
 from sexpgpu.data import textcache
 from sexpgpu.data.remote import default_cache_dir, is_remote
 from sexpgpu.data.spec import redact
 from sexpgpu.errors import SxError
-from sexpgpu.tools.textsources import Source, documents, expand, remote_fs, read_bytes
+from sexpgpu.tools.textsources import Source, documents, expand, read_bytes, remote_fs
 # Sources are tokenized in groups (up to this many bytes, or one file a core), so
 # encode_batch has documents from several files to spread over its threads while
 # shards still land one group at a time.
 GROUP_BYTES = 8 << 20
 GROUP_FILES = max(2, os.cpu_count() or 2)
 _TOKENIZER_FILE = "pass the tokenizer.json file (saved by tokenizers or transformers)"
+# --train-bpe's range: 256 bytes and the end-of-document token at least; at most 2**20,
+# since the tokenizers trainer sets aside memory for the whole vocabulary before it starts
+# (2**28 takes 0.6 GB, 10**9 aborts the process) and ids past 2**16 already take uint32.
+# The data bounds it too: each merge joins two symbols of the text, so a BPE cannot have
+# more tokens than 257 and the sources' bytes.
+BPE_MIN, BPE_MAX = 257, 1 << 20
+# --workers: threads past a few a core only contend (100,000 of them never start working).
+WORKERS_PER_CORE = 4
+TOKENIZER_LIMIT = 256 * bounded.MiB  # the largest tokenizer.json read (Gemma's is 33 MB)
+MANIFEST_LIMIT = 256 * bounded.MiB  # a cache's manifest.json, a line a source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,29 +102,36 @@ def load_tokenizer(path: str):
     SxError: E-TOK-002 when the path is no file (a name such as `gpt2`) or not a tokenizer.
   """
   from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
-  if not os.path.isfile(path):
+  if not os.path.lexists(path):
     raise SxError("E-TOK-002", f"--tokenizer {path}: no such file; tokenizers are not downloaded",
                   where="--tokenizer",
                   fix=_TOKENIZER_FILE)
-  with open(path, "rb") as f:
-    data = f.read()
+  text = bounded.read_text(path, limit=TOKENIZER_LIMIT, what="--tokenizer", code="E-TOK-002",
+                           where="--tokenizer",
+                           fix="pass a tokenizer.json file (UTF-8 JSON, saved by tokenizers "
+                           f"or transformers) of at most {bounded.size_text(TOKENIZER_LIMIT)}")
   try:
-    return Tokenizer.from_str(data.decode("utf-8")), data
-  except Exception as e:  # pylint: disable=broad-except  # tokenizers raises bare Exception
-    raise SxError("E-TOK-002", f"--tokenizer {path}: not a tokenizer.json ({e})",
+    return Tokenizer.from_str(text), text.encode("utf-8")
+  except BaseException as e:  # pylint: disable=broad-except  # bare Exception, or a Rust panic
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+      raise
+    raise SxError("E-TOK-002", f"--tokenizer {path}: not a tokenizer.json "
+                  f"({type(e).__name__}: {str(e)[:200]})",
                   where="--tokenizer",
                   fix=_TOKENIZER_FILE
                   ) from None
 
 
-def train_bpe(texts: Iterator[str], vocab: int, eos: str):
-  """A byte-level BPE (GPT-2's kind) of `vocab` tokens, the end-of-document token first."""
+def train_bpe(texts: Iterator[str], vocab: int, eos: str, show_progress: bool = False):
+  """A byte-level BPE (GPT-2's kind) of `vocab` tokens, the end-of-document token first
+  (`show_progress`: the trainer's own bars on standard error, a terminal's)."""
   # pylint: disable-next=import-outside-toplevel
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[eos], show_progress=False,
+  trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[eos],
+                                show_progress=show_progress,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator(texts, trainer)
   return tok
@@ -165,28 +185,63 @@ class _Store:
       self.folder = os.path.join(default_cache_dir(), "tokenize", digest)
     else:
       self.folder = output
-    os.makedirs(self.folder, exist_ok=True)
-    for name in os.listdir(self.folder):  # what an interrupted run left half-written
-      if name.startswith(".") and ".tmp-" in name:
-        os.remove(os.path.join(self.folder, name))
+      if os.path.lexists(output) and not os.path.isdir(output):
+        raise SxError("E-TOK-001", f"-o {output}: a file or device is there, not a folder "
+                      "for the cache", where="-o",
+                      fix="give -o a new folder, or one that holds a cache to complete")
+    self.created = not os.path.isdir(self.folder)
+    try:
+      os.makedirs(self.folder, exist_ok=True)
+      for name in os.listdir(self.folder):  # what an interrupted run left half-written
+        if name.startswith(".") and ".tmp-" in name:
+          os.remove(os.path.join(self.folder, name))
+      probe = os.path.join(self.folder, f".probe.tmp-{os.getpid()}")  # writable, or say so now
+      os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+      os.remove(probe)
+    except OSError as e:
+      self.discard()
+      raise self._local_error(e) from None
+
+  def _local_error(self, e: OSError) -> SxError:
+    return SxError("E-TOK-001", f"-o {self.folder}: the cache cannot be written there "
+                   f"({e.strerror or type(e).__name__})", where="-o",
+                   fix="give -o a folder you can write, on a disk with room for the tokens")
+
+  def discard(self) -> None:
+    """Removes the cache folder if this run made it and wrote nothing of a cache in it yet
+    (a failure before the tokenizer was saved); a trained tokenizer or shards stay, and the
+    next run completes the cache from them."""
+    if self.created and os.path.isdir(self.folder):
+      if not [n for n in os.listdir(self.folder) if not n.startswith(".")]:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
   def read(self, name: str) -> bytes | None:
-    """A file of the cache (fetched when remote), or None when it has none."""
+    """A file of the cache (fetched when remote), or None when it has none or it is no
+    regular file of at most MANIFEST_LIMIT (a FIFO left there is never opened for reading)."""
     path = os.path.join(self.folder, name)
     if self.fs is not None:
       if not self._call(self.fs.exists, f"{self.root}/{name}"):
         return None
       self._call(self.fs.get_file, f"{self.root}/{name}", path)
     try:
-      with open(path, "rb") as f:
-        return f.read()
-    except OSError:
+      return bounded.read_bytes(path, limit=MANIFEST_LIMIT, what="cache file", code="E-TOK-001")
+    except SxError:
       return None
 
   def manifest(self) -> dict[str, Any]:
-    """The cache's manifest, or {} when it has none yet."""
-    self.read(textcache.MANIFEST)
-    return textcache.read_manifest(self.folder) or {}
+    """The cache's manifest, or {} when it has none yet (or one that is no manifest: it is
+    replaced)."""
+    data = self.read(textcache.MANIFEST)
+    try:
+      manifest = json.loads(data.decode("utf-8")) if data is not None else {}
+    except (ValueError, RecursionError):
+      return {}
+    ok = (isinstance(manifest, dict) and manifest.get("format") == textcache.FORMAT
+          and isinstance(manifest.get("shards", []), list)
+          and all(isinstance(e, dict) and isinstance(e.get("shard"), str)
+                  and isinstance(e.get("tokens"), int) and isinstance(e.get("documents"), int)
+                  for e in manifest.get("shards", [])))
+    return manifest if ok else {}
 
   def whole(self, entry: dict[str, Any], dtype: np.dtype) -> bool:
     """Whether a listed shard's files are there with the sizes the manifest says."""
@@ -203,7 +258,10 @@ class _Store:
   def write(self, name: str, data: bytes) -> None:
     """Writes one file of the cache whole."""
     path = os.path.join(self.folder, name)
-    textcache.write_atomic(path, data)
+    try:
+      textcache.write_atomic(path, data)
+    except OSError as e:
+      raise self._local_error(e) from None
     if self.fs is not None:
       self._call(self.fs.put_file, path, f"{self.root}/{name}")
       if name.startswith("shard-"):
@@ -243,10 +301,30 @@ def _check_options(opts: Options) -> None:
     raise SxError("E-FORM-001", "sexpgpu tokenize needs one of --train-bpe V and --tokenizer FILE",
                   where="the command line",
                   fix="sexpgpu tokenize data/*.txt -o cache/ --train-bpe 2048")
-  if opts.train_bpe is not None and opts.train_bpe < 257:
+  if opts.train_bpe is not None and opts.train_bpe < BPE_MIN:
     raise SxError("E-FORM-001", f"--train-bpe {opts.train_bpe}: a byte-level BPE needs at least "
                   "257 tokens (256 bytes and the end-of-document token)",
                   where="--train-bpe", fix="--train-bpe 2048")
+  if opts.train_bpe is not None and opts.train_bpe > BPE_MAX:
+    raise SxError("E-FORM-001", f"--train-bpe {opts.train_bpe}: more tokens than the "
+                  f"{BPE_MAX} a BPE is trained to here", where="--train-bpe",
+                  fix=f"give --train-bpe from {BPE_MIN} to {BPE_MAX} (GPT-2 has 50257, "
+                  "Llama 3 128256)")
+  most = WORKERS_PER_CORE * (os.cpu_count() or 1)
+  if opts.workers is not None and not 1 <= opts.workers <= most:
+    raise SxError("E-FORM-001", f"--workers {opts.workers}: this machine has "
+                  f"{os.cpu_count()} cores", where="--workers",
+                  fix=f"give --workers from 1 to {most} ({WORKERS_PER_CORE} a core), or leave it "
+                  "out for one a core")
+
+
+def _check_vocab_fits_data(opts: Options, sources: list[Source]) -> None:
+  """E-FORM-001 when --train-bpe asks more tokens than the sources' bytes can make."""
+  most = BPE_MIN + sum(s.size for s in sources)
+  if opts.train_bpe is not None and opts.train_bpe > most:
+    raise SxError("E-FORM-001", f"--train-bpe {opts.train_bpe}: the sources hold "
+                  f"{most - BPE_MIN} bytes, enough for at most {most} tokens", where="--train-bpe",
+                  fix=f"give --train-bpe from {BPE_MIN} to {min(most, BPE_MAX)}, or more text")
 
 
 class _Reader:
@@ -295,17 +373,26 @@ def tokenize(opts: Options, progress: bool | None = None,
   if opts.workers:
     os.environ["RAYON_NUM_THREADS"] = str(opts.workers)
   sources = expand(opts.sources, opts.as_)
-  store = _Store(opts.output)
+  store = _Store(opts.output)  # everything above is checked before anything is written
+  try:
+    return _tokenize(opts, sources, store, t0, progress, on_shard)
+  except BaseException:
+    store.discard()
+    raise
+
+
+def _tokenize(opts: Options, sources: list[Source], store: _Store, t0: float,
+              progress: bool | None, on_shard: Callable[[str], None] | None) -> Summary:
   old = store.manifest()
   reader = _Reader(sources)
-  tok, manifest = _start(opts, sources, reader, old, store)
+  shown = sys.stderr.isatty() if progress is None else progress
+  tok, manifest = _start(opts, sources, reader, old, store, shown)
   dtype = np.dtype(manifest["dtype"])
   kept = {e["shard"]: e for e in old.get("shards", [])} if _same_cache(old, manifest) else {}
   summary = Summary()
   for s in sources:
     summary.taken.setdefault(s.reader, []).append(os.path.basename(s.uri.rstrip("/")))
-  bar = _Progress(sum(s.size for s in sources), len(sources),
-                  sys.stderr.isatty() if progress is None else progress)
+  bar = _Progress(sum(s.size for s in sources), len(sources), shown)
   try:
     todo = []
     for i, s in enumerate(sources):
@@ -341,9 +428,9 @@ def _entry(index: int, source: Source, sha: str) -> dict[str, Any]:
 
 
 def _start(opts: Options, sources: list[Source], reader: _Reader, old: dict[str, Any],
-           store: _Store):
+           store: _Store, progress: bool = False):
   """The tokenizer (trained, loaded or reused) and the new manifest, holding no shard yet."""
-  tok, tok_bytes, trained = _tokenizer(opts, sources, reader, old, store)
+  tok, tok_bytes, trained = _tokenizer(opts, sources, reader, old, store, progress)
   eos_id = tok.token_to_id(opts.eos)
   if eos_id is None:
     raise SxError("E-TOK-002", f"the tokenizer has no token {opts.eos!r}", where="--eos",
@@ -364,7 +451,7 @@ def _same_cache(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 
 def _tokenizer(opts: Options, sources: list[Source], reader: _Reader, old: dict[str, Any],
-               store: _Store):
+               store: _Store, progress: bool = False):
   """The tokenizer, its tokenizer.json bytes, and how it was trained (None: loaded)."""
   if opts.tokenizer is not None:
     tok, data = load_tokenizer(opts.tokenizer)
@@ -381,7 +468,9 @@ def _tokenizer(opts: Options, sources: list[Source], reader: _Reader, old: dict[
     for i, s in enumerate(sources):
       yield from documents(s, reader.data(i, keep=True), opts.field)
 
-  tok = train_bpe(texts(), opts.train_bpe, opts.eos)
+  tok = train_bpe(texts(), opts.train_bpe, opts.eos, show_progress=progress)
+  _check_vocab_fits_data(opts, sources)  # after the sources' own errors; the trainer stops
+  # at what the text gives, and a vocabulary within BPE_MAX never strains it
   return tok, tok.to_str().encode("utf-8"), trained
 
 

@@ -5,25 +5,100 @@ update instead, flushed as it is written: `step 120/400 loss 2.31 eval/loss 2.40
 
 Exit status, from the run's final state: done 0, failed 1, stopped 2 (the signal's 128 + n
 is not in the status file; a stopped run can be resumed, which is why it is not a failure).
-A file that does not exist yet is waited for.
+A file that does not exist yet is waited for (`--wait`), and so is one that is no status
+object yet; a folder, a FIFO or a device is refused at once. The file is read through
+`sexpgpu.bounded` (at most STATUS_BYTES, a JSON object whose fields have the types a run
+writes).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 
-from sexpgpu.track.status import read_status
+from sexpgpu import bounded
+from sexpgpu.errors import SxError
 
 EXIT = {"done": 0, "failed": 1, "stopped": 2}
+# A status object is a few KiB; a file past this is no status file.
+STATUS_BYTES = bounded.MiB
+# The flags' ranges: seconds between reads, and seconds to wait for the file to appear.
+INTERVAL = (0.01, 3600.0)
+MAX_WAIT = 7 * 24 * 3600.0
+
+_NUMBER = (int, float)
+# What each field the run writes (sexpgpu.track.status.StatusFile) holds, when present.
+FIELDS = {"slug": (str,), "state": (str,), "step": (int, type(None)),
+          "steps": (int, type(None)), "stage": (int,), "train_loss": _NUMBER + (type(None),),
+          "last_pass": (dict, type(None)), "steps_per_second": _NUMBER + (type(None),),
+          "eta_seconds": _NUMBER + (type(None),), "checkpoint": (dict, type(None)),
+          "error": (dict, type(None))}
 
 
-def _read(path: str) -> dict | None:
-  try:
-    return read_status(path)
-  except (OSError, ValueError):
-    return None  # not written yet
+def load(path: str) -> dict:
+  """The status file's object, its fields of the types the run writes.
+
+  Raises:
+    SxError: E-METRICS-001 for a file that is missing, not a regular file, past
+      STATUS_BYTES, not JSON, not an object, nested past `bounded.DEPTH`, or with a field of
+      another type (named).
+  """
+  fix = "give the file the run writes with --status PATH"
+  status = bounded.read_json(path, limit=STATUS_BYTES, what="status file",
+                             code="E-METRICS-001", kind=dict, where=path, fix=fix)
+  for name, types in FIELDS.items():
+    value = status.get(name)
+    bad = name in status and (isinstance(value, bool) or not isinstance(value, types))
+    if not bad and isinstance(value, int) and name in ("step", "steps", "stage"):
+      bad = not 0 <= value < 2**53  # a count rich turns into a float
+    elif not bad and isinstance(value, int):
+      bad = not -2**63 <= value < 2**63  # a number shown as a float
+    if not bad and name == "last_pass" and value:
+      bad = not all(isinstance(v, _NUMBER + (type(None),)) and not isinstance(v, bool)
+                    and (not isinstance(v, int) or -2**63 <= v < 2**63)
+                    for v in value.values())
+    if bad:
+      raise SxError("E-METRICS-001", f"status file {path}: the field {name!r} holds "
+                    f"{str(value)[:40]!r}, not what a run writes there", where=path,
+                    fix="watch the file a run writes with --status PATH; do not edit it")
+  return status
+
+
+class _Source:
+  """Reads the status file; a refusal is waited out for `grace` seconds (a file not written
+  yet, or replaced by another writer than the run), then raised. A path that is there but
+  can never be a status file (a folder, a FIFO, a device) is refused at once."""
+
+  def __init__(self, path: str, grace: float):
+    self.path, self.grace, self.since = path, grace, None
+
+  def read(self) -> dict | None:
+    try:
+      status = load(self.path)
+    except SxError as e:
+      if os.path.exists(self.path) and not os.path.isfile(self.path):
+        raise
+      now = time.monotonic()
+      self.since = now if self.since is None else self.since
+      if now - self.since <= self.grace:
+        return None
+      if not os.path.exists(self.path):
+        raise SxError("E-METRICS-001", f"{self.path} does not exist (waited "
+                      f"{self.grace:g}s)", where=self.path,
+                      fix="start the run with --status PATH (or SEXPGPU_STATUS) and watch "
+                      "that PATH") from None
+      raise e.with_note("waited", f"{self.grace:g}s for it to become a status file")
+    self.since = None
+    return status
+
+
+def _pause(interval: float, deadline: float | None) -> None:
+  """Sleeps `interval` seconds, or until the deadline when that comes first."""
+  if deadline is not None:
+    interval = min(interval, max(0.0, deadline - time.monotonic()))
+  time.sleep(interval)
 
 
 def _fmt(v, digits: int = 4) -> str:
@@ -31,7 +106,7 @@ def _fmt(v, digits: int = 4) -> str:
 
 
 def _eta(seconds) -> str:
-  if seconds is None:
+  if seconds is None or not math.isfinite(seconds):
     return "eta -"
   s = int(round(seconds))
   return f"eta {s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
@@ -39,7 +114,7 @@ def _eta(seconds) -> str:
 
 def _short_eta(seconds) -> str:
   """`1h02m`, `1m20s`, `45s`, or `-` when unknown."""
-  if seconds is None:
+  if seconds is None or not math.isfinite(seconds):
     return "-"
   s = int(round(seconds))
   if s >= 3600:
@@ -105,31 +180,25 @@ def watch(path: str, interval: float = 0.5, console=None, timeout: float | None 
     0 done, 1 failed, 2 stopped, 3 timed out.
 
   Raises:
-    SxError: E-METRICS-001 when no readable status file appears within `appear` seconds.
+    SxError: E-METRICS-001 when no status file appears within `appear` seconds, or the
+      file stays no status file (of `load`'s kinds) that long; at once for a folder, a FIFO
+      or a device. E-FORM-001 for an interval, timeout or wait outside its range.
   """
-  from sexpgpu.errors import SxError
-  if os.path.isdir(path):
-    raise SxError("E-METRICS-001", f"{path} is a directory, not a status file", where=path,
-                  fix="give the file the run writes with --status PATH")
-  if _read(path) is None:
+  _check_times(interval, timeout, appear)
+  source = _Source(path, appear)
+  if source.read() is None:
     sys.stderr.write(f"watch: waiting up to {appear:g}s for {path} (a run writes it with "
                      "--status)\n")
     sys.stderr.flush()
-    give_up = time.monotonic() + appear
-    while _read(path) is None:
-      if time.monotonic() > give_up:
-        what = "is not a status file" if os.path.exists(path) else "does not exist"
-        raise SxError("E-METRICS-001", f"{path} {what} (waited {appear:g}s)", where=path,
-                      fix="start the run with --status PATH (or SEXPGPU_STATUS) and watch "
-                      "that PATH")
+    while source.read() is None:
       time.sleep(min(interval, 0.2))
   from rich.console import Console
   console = console or Console()
   deadline = None if timeout is None else time.monotonic() + timeout
   if not console.is_terminal:
-    status = _follow_plain(path, interval, console, deadline)
+    status = _follow_plain(source, interval, console, deadline)
   else:
-    status = _follow_bar(path, interval, console, deadline)
+    status = _follow_bar(source, interval, console, deadline)
   if status is None or status.get("state") not in EXIT:
     console.print(f"watch: gave up after {timeout}s; last state "
                   f"{status.get('state') if status else 'none (no status file)'}")
@@ -138,11 +207,30 @@ def watch(path: str, interval: float = 0.5, console=None, timeout: float | None 
   return EXIT[status["state"]]
 
 
-def _follow_plain(path: str, interval: float, console, deadline: float | None) -> dict | None:
+def _check_times(interval: float, timeout: float | None, appear: float) -> None:
+  """Refuses --interval, --timeout and --wait outside their ranges (NaN included)."""
+  low, high = INTERVAL
+  if not low <= interval <= high:
+    raise SxError("E-FORM-001", f"--interval is {interval:g} seconds; it takes {low:g} to "
+                  f"{high:g}", where="--interval",
+                  fix=f"give --interval {low:g} to {high:g} seconds between reads (0.5 by "
+                  "default)")
+  if timeout is not None and not 0 < timeout < math.inf:
+    raise SxError("E-FORM-001", f"--timeout is {timeout:g} seconds; it takes a number above "
+                  "0", where="--timeout", fix="give --timeout the seconds to watch before "
+                  "giving up (exit 3), above 0, or leave it out to watch to the end")
+  if not 0 <= appear <= MAX_WAIT:
+    raise SxError("E-FORM-001", f"--wait is {appear:g} seconds; it takes 0 to {MAX_WAIT:g}",
+                  where="--wait", fix=f"give --wait 0 to {MAX_WAIT:g} seconds (a week) for "
+                  "the status file to appear")
+
+
+def _follow_plain(source: _Source, interval: float, console, deadline: float | None
+                  ) -> dict | None:
   """A plain line whenever the step, loss, a pass or the state changes; returns the last status."""
   status, last = None, None
   while True:
-    st = _read(path)
+    st = source.read()
     if st is not None:
       status = st
       line = plain_line(st)
@@ -154,10 +242,11 @@ def _follow_plain(path: str, interval: float, console, deadline: float | None) -
         return status
     if deadline is not None and time.monotonic() > deadline:
       return status
-    time.sleep(interval)
+    _pause(interval, deadline)
 
 
-def _follow_bar(path: str, interval: float, console, deadline: float | None) -> dict | None:
+def _follow_bar(source: _Source, interval: float, console, deadline: float | None
+                ) -> dict | None:
   """A live rich bar with `step N/M` until the run ends; the last status."""
   from rich.progress import BarColumn, Progress, TextColumn
   progress = Progress(TextColumn("{task.description}"), BarColumn(),
@@ -167,18 +256,19 @@ def _follow_bar(path: str, interval: float, console, deadline: float | None) -> 
                       refresh_per_second=max(1.0, 1.0 / max(interval, 1e-3)))
   status = None
   with progress:
-    task = progress.add_task(f"waiting for {path}", total=None, rate="", eta="", info="",
-                             steps="")
+    task = progress.add_task(f"waiting for {source.path}", total=None, rate="", eta="",
+                             info="", steps="")
     while True:
-      st = _read(path)
+      st = source.read()
       if st is not None:
         status = st
-        progress.update(task, description=str(st.get("slug", path)), total=st.get("steps"),
+        progress.update(task, description=str(st.get("slug", source.path)),
+                        total=st.get("steps"),
                         completed=st.get("step") or 0, **describe(st))
         if st.get("state") in EXIT:
           break
       if deadline is not None and time.monotonic() > deadline:
         break
-      time.sleep(interval)
+      _pause(interval, deadline)
     progress.refresh()
   return status
