@@ -8,6 +8,7 @@ from typing import Any
 from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.values import Batch, Builtin, Closure, Env, ParamRef, Spec
 from sexpgpu.ir.graph import Body, Graph, Init, Node, Param, type_str
+from sexpgpu.ir.roles import check_role
 from sexpgpu.ir.shapes import ShapeRuleError, infer, literal_type
 from sexpgpu.lang.program import split_keywords, std_libraries_of
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
@@ -349,12 +350,16 @@ class Builder:
                     fix="(param w [in out] :init (fan-in 1.0))")
     name = str(form.items[1].value)
     shape = self.eval(form.items[2], env)
-    kw = self._keywords(form, 3, env, ("init", "dtype"), "param")
+    kw = self._keywords(form, 3, env, ("init", "dtype", "role"), "param")
     init = as_init(kw.get("init", Init("zeros")), form)
     dtype = str(kw.get("dtype", "f32"))
     shape = static_shape(shape, form.items[2])
     path = "/".join(self.scope + [name])
-    return self.param_node(path, shape, init, dtype, form.loc)
+    role = None
+    if "role" in kw:  # written as a name (:role norm), checked against ir.roles.ROLES
+      r = kw["role"]
+      role = check_role(str(r.value) if isinstance(r, Atom) else str(r), loc=r.loc)
+    return self.param_node(path, shape, init, dtype, form.loc, role=role)
 
   def _keywords(self, form: List, start: int, env: Env, allowed: tuple, what: str) -> dict:
     """The `:key value` options after `start`, evaluated (`:as` kept as written)."""
@@ -362,7 +367,7 @@ class Builder:
     if pos:
       raise SxError("E-FORM-001", f"{what}: expected a :keyword, found `{pos[0]}`",
                     location=pos[0].loc, fix="known keywords: " + " ".join(":" + a for a in allowed))
-    return {k: v if k == "as" else self.eval(v, env) for k, v in kws.items()}
+    return {k: v if k in ("as", "role") else self.eval(v, env) for k, v in kws.items()}
 
   def _sf_repeat(self, form: List, env: Env) -> Node:
     if len(form.items) < 4:
@@ -403,7 +408,7 @@ class Builder:
 
   # --- nodes -----------------------------------------------------------------
   def param_node(self, path: str, shape: tuple, init: Init, dtype: str, loc: Loc,
-                 shared: bool = False) -> Node:
+                 shared: bool = False, role: str | None = None) -> Node:
     stack = () if shared else self.frames[-1].stack
     existing = self.params.get(path)
     if existing is not None:
@@ -424,7 +429,8 @@ class Builder:
       for fr in self.frames[1:]:
         if path not in fr.params:
           fr.params.append(path)
-    return self._intern("param", (), (("path", path),), dtype, shape, loc)
+    attrs = (("path", path),) + ((("role", role),) if role is not None else ())
+    return self._intern("param", (), attrs, dtype, shape, loc)
 
   def _intern(self, op, inputs, attrs, dtype, shape, loc) -> Node:
     frame = self.frames[-1]

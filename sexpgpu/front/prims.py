@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from sexpgpu.errors import SxError
 from sexpgpu.front.build import Builder, Call, describe, is_number, is_tensor, static_shape
-from sexpgpu.front.options import check_options
+from sexpgpu.front import optimizers
+from sexpgpu.front.options import check_keywords, check_options
 from sexpgpu.ir.graph import Init
 from sexpgpu.front import declared
 from sexpgpu.ir.ops import DTYPES, OPS
@@ -492,23 +493,15 @@ def _init(kind: str):
 for _k in ("normal", "truncated-normal", "uniform", "fan-in", "constant"):
   BUILTINS[_k] = Builtin(_k, _init(_k))
 
-OPTIMIZERS = {
-    "sgd": ("lr", "clip", "weight-decay", "nesterov"),
-    "momentum": ("lr", "momentum", "nesterov", "clip", "weight-decay"),
-    "adam": ("lr", "b1", "b2", "eps", "clip", "weight-decay"),
-    "adamw": ("lr", "b1", "b2", "eps", "clip", "weight-decay"),
-    "lion": ("lr", "b1", "b2", "clip", "weight-decay"),
-    "adafactor": ("lr", "clip", "weight-decay", "decay-rate", "min-dim-size-to-factor"),
-}
-SCHEDULES = {
-    "warmup-cosine": ("peak", "warmup", "floor", "steps"),
-    "warmup-linear": ("peak", "warmup", "floor", "steps"),
-    "rsqrt": ("peak", "warmup"),
-}
+# each optimizer's and schedule's keywords, read from their one declaration
+OPTIMIZERS = {name: o.keywords for name, o in optimizers.OPTIMIZERS.items()}
+SCHEDULES = {name: tuple(k for k, _ in s.keywords)
+             for name, s in optimizers.SCHEDULES.items()}
 
 
 def _optimizer(name: str, allowed: tuple[str, ...]):
   def fn(b, call):
+    check_keywords(call, allowed)
     kw = _kw(call, allowed)
     if call.args:
       raise SxError("E-FORM-001", f"{name} takes keyword arguments only", location=call.loc,
@@ -523,6 +516,7 @@ def _optimizer(name: str, allowed: tuple[str, ...]):
 
 def _schedule(name: str, allowed: tuple[str, ...]):
   def fn(b, call):
+    check_keywords(call, allowed)
     kw = _kw(call, allowed)
     if call.args or "peak" not in kw:
       raise SxError("E-FORM-001", f"schedule {name} takes keyword arguments, :peak at least",
@@ -536,7 +530,7 @@ def _schedule(name: str, allowed: tuple[str, ...]):
 for _name, _allowed in OPTIMIZERS.items():
   BUILTINS[_name] = Builtin(_name, _optimizer(_name, _allowed))
 for _name, _allowed in SCHEDULES.items():
-  if _name != "rsqrt":
+  if optimizers.SCHEDULES[_name].written:
     BUILTINS[_name] = Builtin(_name, _schedule(_name, _allowed))
 
 # dtype names evaluate to themselves, for (cast x bf16) and :dtype

@@ -19,8 +19,10 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
   With `target="cuda"` the summary (and `hlo`, `plan`) is the run's steps lowered for
   CUDA on this machine, reported as a CUDA run reports them (`run.cuda_check`); `gpu`
   names a card for a roofline estimate; `devices` (and `nodes`) plan a run of that many
-  GPUs on paper (run.layout_plan).
+  GPUs on paper (run.layout_plan). `requires` lists the files it reads and runs nothing.
   """
+  if what == "requires":
+    return requires_text(path)
   if target is not None or gpu is not None or devices is not None or nodes is not None:
     from sexpgpu.run.cuda_check import check_paper, check_target
     check_target(target or "cuda", gpu)
@@ -75,6 +77,46 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
     lines += ["", "evals:"] + Evaluators(c).describe()
   if len(c.stages) > 1:
     lines += ["", "curriculum:"] + [f"  {s.index} {s.name}: :data {s.data}" for s in c.stages]
+  return "\n".join(lines) + "\n"
+
+
+def requires_text(path: str) -> str:
+  """`check --print requires`: every file the experiment reads (itself, its `.sx` and `.py`
+  requires, the standard library's), each with its sha256 and whether it runs Python.
+
+  The program is read, never evaluated: listing runs none of its Python.
+  """
+  import os
+
+  from sexpgpu.front import pyops
+  from sexpgpu.lang.program import STD_DIR, load_program
+  program = load_program(path)
+  trusted = pyops.policy().mode == pyops.ALL
+  rows = []
+  for i, (display, abspath) in enumerate(program.files.items()):
+    runs, kind = "no", "sx"
+    if display in program.python:
+      kind = "python"
+      if trusted:
+        runs = "yes (--trust-python)"
+      elif pyops.inside(abspath, program.base_dir):
+        runs = "by run; check, bundle: with --trust-python"
+      else:
+        runs = "only with --trust-python (outside the experiment's folder)"
+    elif i == 0:
+      kind = "experiment"
+    elif pyops.inside(abspath, STD_DIR) or display.startswith("std/"):
+      kind = "std"
+    rows.append((display, kind, pyops.sha256_text(program.sources[display]), runs))
+  w0 = max(len(r[0]) for r in rows + [("file",)])
+  w1 = max(len(r[1]) for r in rows)
+  lines = [f"requires: {path} reads {len(rows)} files; nothing ran to list them",
+           f"  {'file':<{w0}}  {'kind':<{w1}}  {'sha256':<64}  runs Python"]
+  lines += [f"  {a:<{w0}}  {b:<{w1}}  {h}  {r}" for a, b, h, r in rows]
+  if program.python:
+    lines += ["", f"{len(program.python)} Python file(s) run at compile time with your rights "
+              f"(folder of the experiment: {os.path.realpath(program.base_dir)}); read them "
+              "before --trust-python or SEXPGPU_TRUST_PYTHON=1"]
   return "\n".join(lines) + "\n"
 
 
@@ -165,13 +207,45 @@ def knobs_text(c) -> str:
 
 
 def params_text(c) -> str:
-  rows = [(p.path, f"{p.dtype}[{','.join(map(str, p.full_shape))}]", str(p.init), p.count)
-          for p in c.params.values()]
+  """`check --print params`: each parameter's path, shape, initializer and count, and its
+  role read from the loss graph (`ir.roles`): the stacked axes (repeat's layers, experts)
+  apart from its own, fan-in → fan-out, whether the optimizer's weight decay reaches it and
+  which optimizer updates it (an `opt` column where the optimizer splits them: Muon's).
+  """
+  from sexpgpu.ir.roles import roles
+  from sexpgpu.lower.optim import decay_mask, optimizer_of
+  graph, spec = c.stages[0].graph, c.stages[0].exp.optimizer
+  found = roles(graph)
+  mask = decay_mask(spec, graph)
+  opts = optimizer_of(spec, graph)
+  split = len(set(opts.values())) > 1 or spec.name == "muon"
+  rows = []
+  for p in c.params.values():
+    r = found[p.path]
+    fans = f"{r.fan_in}→{r.fan_out}" if r.fan_in or r.fan_out else "-"
+    rows.append((p.path, f"{p.dtype}[{','.join(map(str, p.full_shape))}]", str(p.init),
+                 p.count, r.text(), r.stacked_text(p), fans,
+                 "yes" if mask.get(p.path) else "no") + (opts[p.path],) * split)
   total = sum(r[3] for r in rows)
-  w0 = max([len(r[0]) for r in rows] + [5])
-  w1 = max([len(r[1]) for r in rows] + [5])
-  w2 = max([len(r[2]) for r in rows] + [4])
-  out = [f"{'path':<{w0}}  {'shape':<{w1}}  {'init':<{w2}}  {'count':>12}"]
-  out += [f"{a:<{w0}}  {b:<{w1}}  {c_:<{w2}}  {n:>12,}" for a, b, c_, n in rows]
-  out.append(f"{'total':<{w0}}  {'':<{w1}}  {'':<{w2}}  {total:>12,}")
+  head = ("path", "shape", "init", "count", "role", "stacked", "fan-in→out",
+          "decay") + ("opt",) * split
+  w = [max([len(r[i]) for r in rows] + [len(head[i])]) if i != 3 else 12
+       for i in range(len(head))]
+
+  def line(r):
+    cells = [f"{r[0]:<{w[0]}}", f"{r[1]:<{w[1]}}", f"{r[2]:<{w[2]}}",
+             f"{r[3]:>12,}" if isinstance(r[3], int) else f"{r[3]:>12}"]
+    return "  ".join(cells + [f"{x:<{w[i]}}" for i, x in enumerate(r[4:], 4)]).rstrip()
+
+  out = [line(head)] + [line(r) for r in rows]
+  out.append(f"{'total':<{w[0]}}  {'':<{w[1]}}  {'':<{w[2]}}  {total:>12,}")
+  wd = float(spec.get("weight-decay", 0.0))
+  n = sum(1 for r in rows if r[7] == "yes")
+  out.append(f"decay: {spec.name} :weight-decay {wd:g} reaches {n} of {len(rows)} parameters"
+             if wd > 0 else f"decay: {spec.name} :weight-decay 0, so none is decayed (the "
+             f"column says which {n} a weight decay would reach)")
+  if split:
+    m = sum(1 for r in rows if r[8] == "muon")
+    out.append(f"opt: muon orthogonalises {m} of {len(rows)} parameters (each stacked "
+               f"matrix on its own), adamw updates the other {len(rows) - m}")
   return "\n".join(out) + "\n"

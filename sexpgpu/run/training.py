@@ -79,8 +79,10 @@ class Training:
             and self.node_gradients == "bf16")
 
   def optimizer(self, stage: int = 0):
-    """The stage's optax transformation and learning-rate schedule."""
-    return make_optimizer(self.c.stages[stage].exp.optimizer, self.steps)
+    """The stage's optax transformation and learning-rate schedule (weight decay by each
+    parameter's role in the stage's graph)."""
+    return make_optimizer(self.c.stages[stage].exp.optimizer, self.steps,
+                          self.c.stages[stage].graph)
 
   def step(self, stage: int, degree: int) -> TrainStep:
     """The stage's train step at a stacking degree (built once, then kept)."""

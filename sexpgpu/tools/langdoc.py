@@ -11,13 +11,20 @@ import os
 import sys
 
 from sexpgpu.reader import Atom, Keyword, List, Symbol, Vector, read_text
+from sexpgpu.front import optimizers
 
 DOC_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "docs", "language.md")
 
 TOP_FORMS = {
-    "require": ('(require "lib/blocks.sx") | (require std/nn)',
-                "load another file once (relative to the requiring file) or a std library file"),
+    "require": ('(require "lib/blocks.sx") | (require std/nn) | (require "my_ops.py")',
+                "load another file once (relative to the requiring file) or a std library file; "
+                "a `.py` file's `@sexpgpu.op`s join the language, the file run as the experiment "
+                "compiles, with the user's rights: `run` runs those in the experiment's folder or "
+                "below, anything else (another folder, `check`, `bundle`, a bundle's run) only "
+                "with --trust-python or SEXPGPU_TRUST_PYTHON=1, else E-OP-002 lists each file "
+                "and its sha256 before any runs; `check --print requires` lists them and runs "
+                "none"),
     "defknob": ('(defknob NAME DEFAULT ["doc"] [:choices [...]] [:min X] [:max Y])',
                 "a named setting, overridable by --set and variants; its type is its default's"),
     "defvariant": ("(defvariant NAME (KNOB VALUE) ...)",
@@ -56,7 +63,9 @@ SPECIAL_FORMS = {
     "fn": ("(fn [PARAMS] BODY...)", "an anonymous function (closures allowed, no scope)"),
     "repeat": ("(repeat N F X :remat B :as NAME)",
                "apply F N times with N stacked parameter sets (a scan); :remat recomputes"),
-    "param": ("(param NAME SHAPE :init INIT :dtype D)", "a trained parameter of the current scope"),
+    "param": ("(param NAME SHAPE :init INIT :dtype D :role R)",
+              "a trained parameter of the current scope; :role settles a role the graph does "
+              "not decide (embedding readout hidden expert conv norm bias other)"),
     "tap": ("(tap NAME X)", "X itself, recorded for a diagnostic that selects NAME"),
     "get": ("(get BATCH :field) | (get VECTOR I)", "a field of a record batch, or an element"),
     "or": ("(or A B ...)", "static or"),
@@ -68,7 +77,7 @@ SPECIAL_FORMS = {
 # The keywords of the special forms and top-level forms that take them (checked against
 # the evaluator's source by tests/test_docs.py).
 FORM_KEYWORDS = {
-    "param": ("init", "dtype"),
+    "param": ("init", "dtype", "role"),
     "repeat": ("remat", "as"),
     "defparam": ("init", "dtype"),
     "defpass": ("data", "every", "batches", "metrics"),
@@ -143,13 +152,12 @@ FUNCTIONS = {
     "uniform": ("(uniform LIMIT)", "initializer"),
     "constant": ("(constant V)", "initializer or learning rate"),
     "fan-in": ("(fan-in SCALE)", "initializer: normal, std SCALE/sqrt(fan-in)"),
-    "sgd": ("(sgd :lr LR ...)", "optimizer"), "momentum": ("(momentum :lr LR ...)", "optimizer"),
-    "adam": ("(adam :lr LR ...)", "optimizer"), "adamw": ("(adamw :lr LR ...)", "optimizer"),
-    "lion": ("(lion :lr LR ...)", "optimizer"),
-    "adafactor": ("(adafactor :lr LR ...)", "optimizer"),
-    "warmup-cosine": ("(warmup-cosine :peak P ...)", "learning-rate schedule"),
-    "warmup-linear": ("(warmup-linear :peak P ...)", "learning-rate schedule"),
 }
+# optimizers and schedules: read from their one declaration (front/optimizers.py)
+FUNCTIONS.update({n: (f"({n} :lr LR ...)", "optimizer: " + o.doc)
+                  for n, o in optimizers.OPTIMIZERS.items()})
+FUNCTIONS.update({n: (f"({n} :peak P ...)", "learning-rate schedule: " + sc.doc)
+                  for n, sc in optimizers.SCHEDULES.items() if sc.written})
 
 
 def _written(name: str) -> tuple[str, str]:
@@ -165,15 +173,23 @@ STD = {
     "rmsnorm": "RMS normalization over the last axis, with a learned scale",
     "layernorm": "layer normalization over the last axis, learned scale and bias",
     "mlp": "dense → act → dense; :hidden defaults to 4 × width",
+    "relu2": "ReLU²: relu(x)², an activation (:act relu2)",
     "attention": "multi-head self-attention written with einsum (the sdpa pattern's target);"
-                 " the width must divide by :heads",
+                 " the width must divide by :heads; :qk-norm true RMS-normalises each head's "
+                 "queries and keys (a learned [dh] scale, q_norm and k_norm: QK-norm), as "
+                 "gpt2, llama, block and transformer-lm's :qk-norm do",
     "rope": "rotary position embedding over the last axis (Llama's half-split rotation),"
             " a table of :context positions, or read at :positions",
     "block": "a pre-norm transformer block: attention and mlp with residuals",
-    "transformer-lm": "token embedding, :layers blocks (a repeat), norm, logits over :vocab",
+    "transformer-lm": "token embedding, :layers blocks (a repeat), norm, logits over :vocab; "
+                      ":act the MLP's activation (gelu; relu2, …), as gpt2's and llama's :act",
     "lm-inputs": "tokens without the last position",
     "lm-targets": "tokens without the first position",
-    "next-token-loss": "cross-entropy of logits against the next tokens",
+    "next-token-loss": "cross-entropy of logits against the next tokens; :z-loss Z adds "
+                       "PaLM's Z · mean(logsumexp(logits)²), tapped as lm/z-loss",
+    "lm-mask": "[b t-1] 1.0 where a target is in its input's segment and not padding",
+    "log-partition-penalty": "mean(logsumexp(logits)²) over the positions next-token-loss "
+                             "counts (z-loss's term)",
     "accuracy": "the fraction of argmax predictions equal to the targets",
     "mlp-classifier": "an MLP from features to :classes logits",
     "gpt2-linear": "GPT-2's Conv1D: x @ w + b, w [in out], initialized normal :std, bias 0",
@@ -282,6 +298,44 @@ def _choices(keyword: str) -> str:
   return "; one of " + " ".join(f"`{n}`" for n in dict.fromkeys(names)) if names else ""
 
 
+def _optimizers(code_optimizers, code_schedules, builtins) -> list[str]:
+  """The optimizer section: each optimizer and schedule with its keywords and defaults, and
+  what each keyword takes, from front/optimizers.py's tables."""
+  from sexpgpu.front.options import _range_text
+  out = ["Each is an optax chain, declared once in `sexpgpu/front/optimizers.py`: `:clip` "
+         "clips the gradients' global norm first; `:weight-decay` reaches the parameters "
+         "whose role decays (matrices; norms, biases and embeddings are spared, "
+         "`check --print params` shows each), `:decay` and `:no-decay` override it by path.",
+         ""]
+
+  def kws(pairs):
+    return " ".join(f"`:{k}`" if d is None or d == () else f"`:{k} {_default(d)}`"
+                    for k, d in pairs)
+  rows = []
+  for n, ks in code_optimizers.items():
+    o = optimizers.OPTIMIZERS[n]
+    rows.append((f"`{n}`", o.doc, kws((k, o.defaults()[k]) for k in ks)))
+  out += _table(("optimizer", "meaning", "keywords (default)"), rows) + [""]
+  rows = [(f"`{n}`", optimizers.SCHEDULES[n].doc,
+           kws((k, dict(optimizers.SCHEDULES[n].keywords)[k]) for k in ks))
+          for n, ks in code_schedules.items()
+          if optimizers.SCHEDULES[n].written and n in builtins]
+  out += _table(("schedule (as `:lr`)", "meaning", "keywords (default)"), rows) + [""]
+  rows = []
+  for k, spec in optimizers.KEYWORDS.items():
+    takes = {"rate": "a number from 0, or a schedule", "bool": "true or false",
+             "patterns": "a vector of glob patterns, such as " + spec.example}.get(
+                 spec.kind) or _range_text(spec.kind == "integer", spec.lo, spec.hi,
+                                           spec.lo_open, spec.hi_open)
+    rows.append((f"`:{k}`", takes, spec.doc))
+  return out + _table(("keyword", "takes", "meaning"), rows)
+
+
+def _default(d) -> str:
+  return "true" if d is True else "false" if d is False else f"{d:g}" \
+      if isinstance(d, float) else str(d)
+
+
 def generate() -> str:
   """The text of docs/language.md from the code's tables and the meanings above.
 
@@ -334,13 +388,7 @@ def generate() -> str:
   out += ["", "Loader keywords:", ""]
   out += _table(("keyword", "meaning"), [(f"`:{k}`", LOADER_KEYWORDS[k] + _choices(k))
                                          for k in used])
-  out += ["", "## Optimizers and schedules", ""]
-  out += _table(("optimizer", "keywords"), [(f"`{n}`", " ".join(f"`:{k}`" for k in ks))
-                                            for n, ks in OPTIMIZERS.items()])
-  out += [""]
-  out += _table(("schedule (as `:lr`)", "keywords"),
-                [(f"`{n}`", " ".join(f"`:{k}`" for k in ks)) for n, ks in SCHEDULES.items()
-                 if n in BUILTINS])
+  out += ["", "## Optimizers and schedules", ""] + _optimizers(OPTIMIZERS, SCHEDULES, BUILTINS)
   out += ["", "## The standard library", "", "`(require std/nn)`, `(require std/lm)`:", ""]
   out += _table(("function", "file", "parameters", "meaning"),
                 [(f"`{n}`", f, " ".join(pos + [f":{k} {d}" for k, d in kws]), STD[n])
