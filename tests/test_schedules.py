@@ -47,12 +47,15 @@ def test_wsd_defaults_decay_over_the_last_fifth_to_zero():
   np.testing.assert_allclose(lr[90], 0.01, rtol=1e-6)
 
 
-def test_wsd_cosine_shape_in_the_lowering():
-  """The cosine decay the lowering has (the language's `:shape` keyword awaits a choice kind
-  in front/options.py): a half cosine from :peak to the end over the decay."""
+def test_wsd_cosine_shape():
+  """`:shape "cosine"`: a half cosine from :peak to the end over the decay, as written in the
+  language and as the lowering makes it from the spec."""
   lr = np.asarray(schedule(_spec("warmup-stable-decay", peak=0.01, warmup=0,
                                  decay_fraction=0.5, min_lr=0.002, shape="cosine"), 40, None)(
                                      jax.numpy.arange(41)))
+  written = _lr('(warmup-stable-decay :peak 0.01 :decay-fraction 0.5 :min-lr 0.002 '
+                ':shape "cosine")', steps=40)
+  np.testing.assert_allclose(written, lr, rtol=1e-6)  # (jitted against op by op)
   assert np.all(lr[:21] == np.float32(0.01))
   s = np.arange(20, 41)
   np.testing.assert_allclose(lr[20:], 0.002 + 0.008 * 0.5 * (1 + np.cos(np.pi * (s - 20) / 20)),
@@ -92,6 +95,12 @@ def test_floor_and_min_lr_together_is_e_run_002_at_the_schedule():
      "(float32's largest)", ":min-lr 6e-5"),
     ("(warmup-linear :peak 0.01 :floor 6)",
      "warmup-linear :floor is the number 6; it must be a number from 0 to 1", ":floor 0.1"),
+    ('(warmup-stable-decay :peak 0.01 :shape "cosin")',
+     'warmup-stable-decay :shape is the string "cosin"; it is one of "linear" "cosine"',
+     'did you mean `"cosine"` or `"linear"`? :shape "cosine"'),
+    ("(warmup-stable-decay :peak 0.01 :shape 1)",
+     'warmup-stable-decay :shape is the number 1; it is one of "linear" "cosine"',
+     ':shape "cosine"'),
 ])
 def test_a_bad_value_is_e_run_002_with_an_example(schedule_text, message, fix):
   with pytest.raises(SxError) as e:
@@ -104,7 +113,7 @@ def test_a_bad_value_is_e_run_002_with_an_example(schedule_text, message, fix):
     ("(warmup-stable-decay :peak 0.01 :decay-fractoin 0.2)", "E-FORM-002",
      "warmup-stable-decay has no keyword :decay-fractoin",
      "did you mean `:decay-fraction`? warmup-stable-decay takes :peak :warmup :floor :min-lr "
-     ":decay-fraction :steps"),
+     ":decay-fraction :shape :steps"),
     ("(warmup-stable-decy :peak 0.01)", "E-NAME-001", "`warmup-stable-decy` is not defined",
      "did you mean `warmup-stable-decay`"),
 ])

@@ -18,8 +18,8 @@ class Keyword:
   """What an optimizer or schedule keyword accepts.
 
   Attributes:
-    kind: "number", "integer", "bool", "rate" (a number or a schedule) or "patterns" (a
-      vector of glob patterns over parameter paths).
+    kind: "number", "integer", "bool", "rate" (a number or a schedule), "patterns" (a
+      vector of glob patterns over parameter paths) or "choice" (a string of `choices`).
     lo, hi: the range of a number or integer; lo_open and hi_open exclude the ends.
     example: a value to show in a fix.
     doc: one line for docs/language.md.
@@ -32,6 +32,7 @@ class Keyword:
   hi: float = F32_MAX
   lo_open: bool = False
   hi_open: bool = False
+  choices: tuple[str, ...] = ()
 
 
 KEYWORDS: dict[str, Keyword] = {
@@ -63,6 +64,8 @@ KEYWORDS: dict[str, Keyword] = {
                       "min_lr); not with :floor"),
     "decay-fraction": Keyword("number", "0.2", "the last fraction of :steps over which WSD "
                               "decays", hi=1, lo_open=True),
+    "shape": Keyword("choice", '"cosine"', "how WSD decays: linearly, or along a half cosine",
+                     choices=("linear", "cosine")),
     "steps": Keyword("integer", "2000", "the schedule's length (default: the run's steps)",
                      lo=1, hi=INT32_MAX),
 }
@@ -242,7 +245,7 @@ SCHEDULES: dict[str, Schedule] = {
     "warmup-stable-decay": Schedule(
         "WSD: linear warmup from 0 to :peak, held at :peak, then down to :peak × :floor (or "
         ":min-lr) over the last :decay-fraction of :steps", _PWFS[:4] + (
-            ("decay-fraction", 0.2),) + _PWFS[4:], _warmup_stable_decay),
+            ("decay-fraction", 0.2), ("shape", "linear")) + _PWFS[4:], _warmup_stable_decay),
     "rsqrt": Schedule("linear warmup, then :peak × √(warmup / step)",
                       (("peak", None), ("warmup", 0)), _rsqrt, written=False),
 }

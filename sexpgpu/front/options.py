@@ -48,7 +48,10 @@ def check_keywords(call: Call, allowed: tuple[str, ...]) -> None:
 
 
 def check_options(call: Call, kw: dict) -> None:
-  """Raises E-RUN-002 at the value of an optimizer or schedule keyword out of its range."""
+  """Raises E-RUN-002 at the value of an optimizer or schedule keyword out of its range, and
+  at a schedule given both :floor and :min-lr (one end said two ways)."""
+  if "floor" in kw and "min-lr" in kw:
+    _both_ends(call, kw)
   for key, v in kw.items():
     loc = call.kw_forms[key].loc
     spec = KEYWORDS[key]
@@ -58,6 +61,14 @@ def check_options(call: Call, kw: dict) -> None:
                       "false", location=loc, fix=f":{key} {spec.example}")
       continue
     if spec.kind == "rate" and isinstance(v, Spec) and v.kind == "schedule":
+      continue
+    if spec.kind == "choice":
+      if not (isinstance(v, str) and v in spec.choices):
+        near = did_you_mean(f'"{v}"', [f'"{c}"' for c in spec.choices]) if isinstance(
+            v, str) else ""
+        raise SxError("E-RUN-002", f"{call.name} :{key} is {_shown(v)}; it is one of "
+                      + " ".join(f'"{c}"' for c in spec.choices), location=loc,
+                      fix=(near + " " if near else "") + f":{key} {spec.example}")
       continue
     if spec.kind == "patterns":
       if not (isinstance(v, tuple) and all(isinstance(p, str) and p for p in v)):
@@ -78,3 +89,15 @@ def check_options(call: Call, kw: dict) -> None:
                     fix=f":{key} {spec.example}")
     if integer:
       kw[key] = int(value)
+
+
+def _both_ends(call: Call, kw: dict) -> None:
+  floor, min_lr, peak = kw["floor"], kw["min-lr"], kw.get("peak")
+  if not all(is_number(x) and math.isfinite(x) for x in (floor, min_lr)):
+    return  # the value out of range is told below, at its own keyword
+  peak = float(peak) if is_number(peak) and math.isfinite(peak) else 0.0
+  raise SxError("E-RUN-002", f"{call.name} has both :floor ({floor:g}, a fraction of :peak) "
+                f"and :min-lr ({min_lr:g}, absolute); they say the same thing two ways",
+                location=call.loc,
+                fix=f"keep one: :min-lr {min_lr:g}, or :floor "
+                f"{min_lr / peak if peak else 0:g} (a fraction of :peak {peak:g})")

@@ -25,12 +25,6 @@ def schedule(value: Any, steps: int, where) -> Callable[[Any], Any] | float:
     kw = {**dict(SCHEDULES[value.name].keywords), **given}
     total = kw["steps"] if kw.get("steps") is not None else steps
     peak = float(kw["peak"])
-    if "floor" in given and "min-lr" in given:
-      raise SxError("E-RUN-002", f"{value.name} has both :floor ({given['floor']:g}, a "
-                    f"fraction of :peak) and :min-lr ({given['min-lr']:g}, absolute); they "
-                    "say the same thing two ways", location=value.loc,
-                    fix=f"keep one: :min-lr {given['min-lr']:g}, or :floor "
-                    f"{given['min-lr'] / peak if peak else 0:g} (a fraction of :peak {peak:g})")
     end = float(kw["min-lr"]) if kw.get("min-lr") is not None else peak * float(
         kw.get("floor", 0.0))
     return SCHEDULES[value.name].make(peak, int(kw.get("warmup", 0)), end, int(total), kw)

@@ -324,7 +324,8 @@ def _optimizers(code_optimizers, code_schedules, builtins) -> list[str]:
   rows = []
   for k, spec in optimizers.KEYWORDS.items():
     takes = {"rate": "a number from 0, or a schedule", "bool": "true or false",
-             "patterns": "a vector of glob patterns, such as " + spec.example}.get(
+             "patterns": "a vector of glob patterns, such as " + spec.example,
+             "choice": "one of " + ", ".join(f'"{c}"' for c in spec.choices)}.get(
                  spec.kind) or _range_text(spec.kind == "integer", spec.lo, spec.hi,
                                            spec.lo_open, spec.hi_open)
     rows.append((f"`:{k}`", takes, spec.doc))
