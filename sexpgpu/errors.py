@@ -96,20 +96,49 @@ class SxError(Exception):
     return self.render()
 
 
+# A file the reader did not read (a task file, a metrics stream) is read for its quoted line
+# up to this many bytes, each line up to QUOTE_LINE_BYTES: an error near the end of a huge
+# file, or on a line of megabytes, is told without its quote rather than read whole.
+QUOTE_FILE_BYTES = 64 << 20
+QUOTE_LINE_BYTES = 1 << 20
+
+
+def _file_line(path: str, number: int) -> str | None:
+  """Line `number` (from 1) of a regular file, read within the bounds above, or None."""
+  import stat  # pylint: disable=import-outside-toplevel
+  try:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+  except (OSError, ValueError):
+    return None
+  with os.fdopen(fd, "rb") as f:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      return None
+    read = 0
+    for n in range(1, number + 1):
+      try:
+        line = f.readline(QUOTE_LINE_BYTES + 1)
+      except OSError:
+        return None
+      read += len(line)
+      if not line or read > QUOTE_FILE_BYTES or len(line) > QUOTE_LINE_BYTES:
+        return None
+      if n == number:
+        try:
+          return line.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+          return None
+  return None
+
+
 def _quote(loc: Loc) -> list[str]:
   text = source_text(loc.file)
-  if text is None and os.path.isfile(loc.file):
-    try:
-      with open(loc.file, encoding="utf-8") as f:
-        text = f.read()
-    except (OSError, UnicodeDecodeError):
-      text = None
-  if text is None:
+  if text is not None:
+    src_lines = text.split("\n")
+    line = src_lines[loc.line - 1].rstrip("\r") if 1 <= loc.line <= len(src_lines) else None
+  else:
+    line = _file_line(loc.file, loc.line) if loc.line >= 1 else None
+  if line is None:
     return []
-  src_lines = text.split("\n")
-  if not 1 <= loc.line <= len(src_lines):
-    return []
-  line = src_lines[loc.line - 1].rstrip("\r")
   num = str(loc.line)
   pad = " " * (len(num) + 1)
   start = max(0, min(loc.col - 1, len(line)))

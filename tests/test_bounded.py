@@ -92,3 +92,20 @@ def test_a_name_with_a_nul_and_a_file_that_fails_mid_read(tmp_path):
     message = _refused(lambda path, **kw: list(bounded.read_lines(path, **kw)),
                        "/proc/self/mem", limit=100, line_limit=10)
     assert "cannot be read" in message
+
+
+def test_an_error_quotes_a_line_of_a_file_it_did_not_read_within_bounds(tmp_path, monkeypatch):
+  """A task file's error quotes its line; a line past the bound is told without its quote,
+  and /dev/zero or a FIFO named in a location is never read."""
+  from sexpgpu import errors
+  from sexpgpu.errors import Loc
+  p = tmp_path / "tasks.jsonl"
+  p.write_text('{"text": "a"}\n{"bad": 1}\n')
+  shown = str(SxError("E-EVAL-001", "bad record", location=Loc(str(p), 2, 2)))
+  assert '2 | {"bad": 1}' in shown
+  monkeypatch.setattr(errors, "QUOTE_LINE_BYTES", 4)
+  assert "|" not in str(SxError("E-EVAL-001", "bad", location=Loc(str(p), 2, 2)))
+  fifo = tmp_path / "pipe"
+  os.mkfifo(fifo)
+  for path in ("/dev/zero", str(fifo)):
+    assert str(SxError("E-EVAL-001", "x", location=Loc(path, 1, 1))).count("\n") == 2
