@@ -311,7 +311,7 @@ def test_status_replaced_atomically(tmp_path):
     while not stop.is_set():
       try:
         seen.append(read_status(path)["step"])
-      except json.JSONDecodeError as e:  # a partial file
+      except SxError as e:  # a partial file: not JSON
         failures.append(e)
 
   thread = threading.Thread(target=reader)
@@ -377,6 +377,12 @@ def test_status_unwritable_is_an_error(tmp_path):
   assert info.value.where == "SEXPGPU_STATUS"
 
 
-def test_read_status_missing(tmp_path):
-  with pytest.raises(FileNotFoundError):
-    read_status(str(tmp_path / "none.json"))
+def test_a_status_file_that_is_no_status_object_is_e_metrics_001(tmp_path):
+  """read_status (sweep's reader) reads within a bound, never /dev/zero or a FIFO whole."""
+  p = tmp_path / "s.json"
+  p.write_text("[1, 2]")
+  for path, why in ((str(p), "holds an array"), ("/dev/zero", "character device"),
+                    (str(tmp_path / "none.json"), "not found")):
+    with pytest.raises(SxError) as e:
+      read_status(path)
+    assert e.value.code == "E-METRICS-001" and why in e.value.message

@@ -176,7 +176,7 @@ def read_point_status(point: Point) -> dict | None:
   from sexpgpu.track.status import read_status
   try:
     return read_status(point.status)
-  except (OSError, ValueError):
+  except SxError:
     return None
 
 

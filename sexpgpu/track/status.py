@@ -112,10 +112,15 @@ def read_status(path: str) -> dict:
     The status object; always whole, since writers replace the file.
 
   Raises:
-    FileNotFoundError: when no status has been written yet.
+    SxError: E-METRICS-001 when it is missing (no status written yet), no regular file,
+      larger than STATUS_LIMIT, or not a JSON object.
   """
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  from sexpgpu import bounded
+  return bounded.read_json(path, limit=STATUS_LIMIT, what="status file", code="E-METRICS-001",
+                           where=path, fix="give the --status file a run writes")
+
+
+STATUS_LIMIT = 1 << 20  # a run's status object is a few hundred bytes
 
 
 def _replace(path: str, text: str) -> None:
