@@ -283,6 +283,7 @@ class Experiment:
       ids = tok.encode(prompt).ids if tok is not None else sample.parse_ids(str(prompt))
     settings = sample.Settings(int(tokens), float(temperature), int(top_k), float(top_p),
                                int(seed))
+    sample.check_settings(settings, name=lambda field: field)  # as the keyword is named here
     result = sample.generate(self._c, fn, weights, ids, settings)
     text = tok.decode(result.ids) if tok is not None else " ".join(map(str, result.ids))
     return Sample(result.ids, text, ids, result.path, result.tokens_per_s)

@@ -280,6 +280,8 @@ def test_defsample_writes_sample_events_and_leaves_the_losses_bitwise(tmp_path, 
     ('(defsample s :fn lm :prompts [] :every 5)', "E-TYPE-001", "vector of non-empty strings"),
     ('(defsample s :fn lm :prompts ["1"])', "E-FORM-001", "needs :every"),
     ('(defsample s :fn lm :prompts ["1"] :every 5 :top-p 2)', "E-TYPE-001", "in 0.0..1.0"),
+    ('(defsample s :fn lm :prompts ["1"] :every 5 :tokens 100000)', "E-FORM-001",
+     ":tokens is 100000; it takes"),
     ('(defsample s :fn loss :prompts ["1"] :every 5)', "E-SAMPLE-001",
      "does not build on tokens [1 8]: get needs a batch"),
 ])

@@ -40,6 +40,7 @@ class Samplers:
         prompts = [sample.check_prompt(c, d.fn, self.tok.encode(p).ids if self.tok is not None
                                        else sample.parse_ids(p)) for p in d.prompts]
         settings = sample.Settings(d.tokens, d.temperature, d.top_k, d.top_p, d.seed)
+        sample.check_settings(settings, name=lambda field: ":" + field.replace("_", "-"))
         self.items.append(_Sampler(d, prompts, sample.decoder(
             c, d.fn, max(map(len, prompts)), settings)))
       except SxError as e:
