@@ -321,7 +321,9 @@ def _tokenize_case(rng: random.Random, case: str, paths: dict[str, str]) -> Case
     elif what == "manifest" and out == os.path.join(case, "cache"):
       os.makedirs(out, exist_ok=True)
       manifest = os.path.join(out, "manifest.json")
-      if rng.random() < 0.5:
+      if os.path.lexists(manifest):  # an earlier choice of this case made it already
+        pass
+      elif rng.random() < 0.5:
         _special(rng, manifest)
       else:
         data, _ = _hostile_json(rng)

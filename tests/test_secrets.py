@@ -301,3 +301,19 @@ def test_a_run_with_credentials_planted_everywhere_writes_none_of_them(s3_bucket
                              if fs.size(k) < 1 << 20])
   assert '"knobs"' in stored  # the meta was read: its knobs are there, scrubbed
   assert _leaks(out + err + _everything_under(tmp_path) + stored, planted) == []
+
+
+def test_a_bundle_keeps_no_credential_of_its_set_values(tmp_path):
+  """A bundle travels: its manifest (sets, slug) and every member carry the location of a
+  --set value without its userinfo or query credentials."""
+  import zipfile
+  from sexpgpu.tools.bundle import make_bundle
+  value = "https://u:SECb1/x+y@host.example/p?token=TOKb1abcd&v=1"
+  out = tmp_path / "run.sxb"
+  make_bundle(_with_a_string_knob(tmp_path), str(out), "smoke", [("source", value)])
+  with zipfile.ZipFile(out) as z:
+    blob = b"".join(z.read(n) for n in z.namelist())
+  manifest = json.loads(zipfile.ZipFile(out).read("manifest.json"))
+  assert manifest["sets"] == [["source", "https://host.example/p?v=1"]]
+  for secret in (b"SECb1", b"TOKb1abcd", b"x+y"):
+    assert secret not in blob
