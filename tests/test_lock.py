@@ -106,7 +106,7 @@ def test_a_lock_left_by_kill_9_is_taken_over(tmp_path, moto, where):
   p.send_signal(signal.SIGKILL)
   p.communicate(timeout=60)
   r = subprocess.run(sexpgpu_cmd("run", EXP, "--json", "--checkpoint-dir", location, "--set",
-                                 "steps=5000", "--steps", "3"),
+                                 "steps=5000", "--steps", "3", "--resume", "latest"),
                      cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
   assert r.returncode == 0, r.stderr
   assert (f"checkpoint: took over the lock of {location}/faults-steps=5000 from pid {p.pid} "

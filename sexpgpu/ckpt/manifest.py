@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 from sexpgpu.ckpt.where import COMMIT, LOCAL_DONE
 from sexpgpu.paths import write_atomic
@@ -116,3 +117,65 @@ def problem(step_dir: str) -> str | None:
     if _sha256(local) != want["sha256"]:
       return f"{rel} does not match its checksum (it was changed after it was written)"
   return None
+
+
+def only_save_files(folder: str) -> bool:
+  """Whether every entry of a local folder is one a save writes (so deleting it loses
+  nothing of the user's)."""
+  try:
+    return all(name in SAVE_FILES for name in os.listdir(folder))
+  except OSError:
+    return False
+
+
+def is_own_step(step_dir: str) -> bool:
+  """Whether a local step folder is one a save wrote: orbax's commit_success.txt is there
+  and nothing but a save's own files, so replacing it loses nothing of the user's."""
+  return os.path.isfile(os.path.join(step_dir, LOCAL_DONE)) and only_save_files(step_dir)
+
+
+def drop_partial(run_dir: str, step: int, tmp_suffixes: tuple[str, ...],
+                 partial_suffixes: tuple[str, ...]) -> list[str]:
+  """Removes what a failed save of `step` left in a local run folder: the writer's tmp
+  folders of the step (`<step><tmp suffix>...`, a name only a save writes), a folder
+  `<step><partial suffix>` or `<step>` that no manifest made count and that holds nothing
+  but a save's files. A complete step, another step's folder and a folder holding anything
+  a save does not write are never touched.
+
+  Returns:
+    The names removed.
+  """
+  try:
+    names = os.listdir(run_dir)
+  except OSError:
+    return []
+  removed = []
+  for name in sorted(names):
+    path = os.path.join(run_dir, name)
+    if any(name.startswith(f"{step}{t}") for t in tmp_suffixes):
+      ours = os.path.isdir(path)
+    elif name in (str(step),) + tuple(f"{step}{p}" for p in partial_suffixes):
+      ours = not os.path.isfile(os.path.join(path, MANIFEST)) and only_save_files(path)
+    else:
+      continue
+    if ours:
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(name)
+  return removed
+
+
+def local_steps(run_dir: str) -> list[int]:
+  """The complete step folders of a local run folder, ascending.
+
+  A step counts only when its integer-named folder holds orbax's
+  commit_success.txt, which orbax writes before renaming its tmp folder into
+  place, and the manifest written after that rename, so a save killed at any
+  point never shows up here.
+  """
+  try:
+    names = os.listdir(run_dir)
+  except OSError:
+    return []
+  return sorted(int(n) for n in names if n.isdigit()
+                and os.path.isfile(os.path.join(run_dir, n, LOCAL_DONE))
+                and os.path.isfile(os.path.join(run_dir, n, MANIFEST)))

@@ -63,6 +63,9 @@ def manager(root: str, keep: int | None, asynchronous: bool) -> ocp.CheckpointMa
 
 # where orbax's JsonSave puts the meta item inside a step folder
 META_FILE = "meta/metadata"
+# orbax writes step N into `N.orbax-checkpoint-tmp` (and, before 0.11, with a timestamp
+# after it) and renames it to N when complete: a save that fails leaves it behind
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def save_args(state: Any, meta: dict) -> ocp.args.Composite:

@@ -61,25 +61,17 @@ class CheckpointInfo:
   seconds: float
 
 
-def local_steps(run_dir: str) -> list[int]:
-  """The complete step folders of a local run folder, ascending.
-
-  A step counts only when its integer-named folder holds orbax's
-  commit_success.txt, which orbax writes before renaming its tmp folder into
-  place, and the manifest written after that rename, so a save killed at any
-  point never shows up here.
-  """
-  try:
-    names = os.listdir(run_dir)
-  except OSError:
-    return []
-  return sorted(int(n) for n in names if n.isdigit()
-                and os.path.isfile(os.path.join(run_dir, n, LOCAL_DONE))
-                and os.path.isfile(os.path.join(run_dir, n, manifest.MANIFEST)))
+local_steps = manifest.local_steps
 
 
 def latest_step_dir(run_dir: str, where: str) -> str | None:
   """The newest complete step folder under a run folder (local or remote), or None."""
+  done = step_numbers(run_dir, where)
+  return join(run_dir, done[-1]) if done else None
+
+
+def step_numbers(run_dir: str, where: str) -> list[int]:
+  """The complete steps under a run folder (local or remote), ascending."""
   if is_remote(run_dir):
     fs = remote_fs(run_dir, where)
     try:
@@ -88,9 +80,8 @@ def latest_step_dir(run_dir: str, where: str) -> str | None:
       raise SxError("E-CKPT-003", f"cannot list checkpoints at {scrub(run_dir)}: {reason(e)}",
                     where=where, fix="check the location and its credentials (AWS_* variables, "
                     "GOOGLE_APPLICATION_CREDENTIALS)") from e
-  else:
-    done = local_steps(run_dir)
-  return join(run_dir, done[-1]) if done else None
+    return done
+  return local_steps(run_dir)
 
 
 def _dir_bytes(path: str) -> int:
@@ -134,19 +125,8 @@ def _retain_local(run_dir: str, keep: int) -> None:
       shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
-def _only_save_files(folder: str) -> bool:
-  """Whether every entry of a local folder is one a save writes (so deleting it loses
-  nothing of the user's)."""
-  try:
-    return all(name in manifest.SAVE_FILES for name in os.listdir(folder))
-  except OSError:
-    return False
-
-
-def is_own_step(step_dir: str) -> bool:
-  """Whether a local step folder is one a save wrote: orbax's commit_success.txt is there
-  and nothing but a save's own files, so replacing it loses nothing of the user's."""
-  return os.path.isfile(os.path.join(step_dir, LOCAL_DONE)) and _only_save_files(step_dir)
+_only_save_files = manifest.only_save_files
+is_own_step = manifest.is_own_step
 
 
 class CheckpointStore:
@@ -192,6 +172,7 @@ class CheckpointStore:
     self._failed_step: int | None = None
     self._last: CheckpointInfo | None = None
     self._saved: set[int] = set()
+    self._failed: set[int] = set()  # steps whose save failed: their leftovers go at close
     self._lock: str | None = None
 
   # -- checks -------------------------------------------------------------
@@ -265,6 +246,7 @@ class CheckpointStore:
         self._replace_own(step, manager)
       manager.save(step, args=orbax_io.save_args(state, meta), force=True)
     except Exception as e:  # pylint: disable=broad-except
+      self._failed.add(step)
       raise self._save_error(step, e) from e
     self._saved.add(step)
     self._thread = threading.Thread(target=self._finish, args=(step, started),
@@ -322,6 +304,7 @@ class CheckpointStore:
       remote.put(self._fs, folder, self.step_dir(step))
       return files
 
+    self._failed.add(step)  # until it is committed: a failure leaves its .partial to remove
     self._together(nodes, step, "prepared", prepare)
     parts = self._together(nodes, step, "written", write)
 
@@ -361,6 +344,7 @@ class CheckpointStore:
       return {}
 
     self._together(nodes, step, "committed", commit)
+    self._failed.discard(step)
     if self.remote:
       shutil.rmtree(folder, ignore_errors=True)
 
@@ -468,6 +452,7 @@ class CheckpointStore:
       error, step = self._error, self._failed_step
       self._error = self._failed_step = None
       self._saved.discard(step)
+      self._failed.add(step)
       raise self._save_error(step, error) from error
     return self._last
 
@@ -545,6 +530,10 @@ class CheckpointStore:
     """The newest complete step folder under run_dir, or None."""
     return latest_step_dir(self.run_dir, self.where)
 
+  def steps(self) -> list[int]:
+    """The complete steps under run_dir now (an earlier run's, before this one saves)."""
+    return step_numbers(self.run_dir, self.where)
+
   def close(self) -> None:
     """Waits for the in-flight save, then releases orbax, the staging folder and the lock.
 
@@ -569,6 +558,10 @@ class CheckpointStore:
         if self._staging and self._thread is None:
           shutil.rmtree(self._staging, ignore_errors=True)
           self._staging = None
+        if self._thread is None:  # no save of ours still writes into the run folder
+          for step in sorted(self._failed):
+            self._drop_partial(step)
+          self._failed.clear()
         if self._lock is not None:
           lock.release(self._lock)
           self._lock = None
@@ -578,7 +571,15 @@ class CheckpointStore:
       self._thread.join(grace_s)
       if not self._thread.is_alive():
         self._thread = None
+    if self._failed_step is not None:
+      self._failed.add(self._failed_step)
     self._error = self._failed_step = None
+
+  def _drop_partial(self, step: int) -> None:
+    """Removes what a failed save of `step` left in a local run folder (a full disk's);
+    a remote step without its COMMIT marker never counts (manifest.drop_partial)."""
+    if not self.remote:
+      manifest.drop_partial(self.run_dir, step, (orbax_io.TMP_SUFFIX,), (PARTIAL,))
 
   def __enter__(self) -> "CheckpointStore":
     return self

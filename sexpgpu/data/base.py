@@ -118,6 +118,11 @@ class Loader(abc.ABC):
       raise ValueError(f"loader {self.spec.name}: not a {self.kind} loader state: {state!r}")
     self.position = position
 
+  def whole_batches(self) -> int | None:
+    """Microbatches the split holds whole: batch(i) for i below it reads each record of the
+    split once (batch(i) past it wraps round to records already read); None when endless."""
+    return None if self.records is None else self.records // self.batch_size
+
   def describe(self) -> dict[str, Any]:
     """What `sexpgpu check` prints: kind, field types, total records."""
     return {"kind": self.kind,

@@ -11,7 +11,7 @@ from sexpgpu.data import KINDS as LOADER_CLASSES, keywords as loader_keywords, t
 from sexpgpu.data.spec import LoaderSpec, bind_args
 from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
-from sexpgpu.front import pyops
+from sexpgpu.front import optimizers, pyops
 from sexpgpu.front.prims import BUILTINS, DTYPE_VALUES
 from sexpgpu.front.values import Closure, Env, ParamRef, Spec
 from sexpgpu.lang.program import Program, literal_value, split_keywords
@@ -40,12 +40,21 @@ class LoaderDecl:
 
 @dataclasses.dataclass
 class PassDecl:
+  """A `defpass`: its loader, cadence, microbatches a run and metrics; `batches_loc` is where
+  `:batches` is written (None when it is not), where a split too small for it is told."""
+
   name: str
   data: str
   every: int | None
   batches: int
   metrics: list[tuple[str, Any]]
   loc: Loc
+  batches_loc: Loc | None = None
+
+
+# The most microbatches a pass reads: its batch index reaches the step as an int32 (the key
+# of its random ops folds it in). A finite split bounds it further (run/passes.check_batches).
+MAX_PASS_BATCHES = 2**31 - 1
 
 
 @dataclasses.dataclass
@@ -144,8 +153,8 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
   """
   knobs = {k: v.value for k, v in selection.knobs.items()}
   env = global_env({k: v for k, v in knobs.items() if k in program.knobs})
-  for display, (path, loc) in program.python.items():
-    env.parent.vars.update(pyops.load(display, path, program.sources[display], loc))
+  # the one gate of the Python it requires: refused before any runs (pyops.trusting)
+  env.parent.vars.update(pyops.load_all(program))
   b = Builder(env, knob_locs={k: d.loc for k, d in program.knobs.items()})
   loaders: dict[str, LoaderDecl] = {}
   passes: dict[str, PassDecl] = {}
@@ -324,6 +333,11 @@ def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
   data = _loader_name(kws["data"], loaders)
   every = _static_int(b, kws["every"], env, ":every", 0) if "every" in kws else None
   batches = _static_int(b, kws["batches"], env, ":batches", 1) if "batches" in kws else 1
+  if batches > MAX_PASS_BATCHES:
+    raise SxError("E-TYPE-001", f"defpass {name}: :batches {batches} is past the most a pass "
+                  f"reads, {MAX_PASS_BATCHES} (its batch index is an int32)",
+                  location=kws["batches"].loc,
+                  fix=f":batches from 1 to {MAX_PASS_BATCHES}, such as :batches 100")
   if not isinstance(kws["metrics"], Vector):
     raise SxError("E-FORM-001", ":metrics is a vector of functions", location=kws["metrics"].loc,
                   fix=":metrics [loss accuracy]")
@@ -334,7 +348,8 @@ def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
       raise SxError("E-TYPE-001", f"metric `{m}` is not a function of the batch",
                     location=m.loc, fix="(defn accuracy [batch] ...)")
     metrics.append((str(m), fn))
-  return PassDecl(name, data, every, int(batches), metrics, form.loc)
+  return PassDecl(name, data, every, int(batches), metrics, form.loc,
+                  kws["batches"].loc if "batches" in kws else None)
 
 
 def _model_pass(b: Builder, form: List, env: Env, kws: dict, kind: str, required: tuple,
@@ -505,7 +520,7 @@ def _run(b: Builder, program: Program, env: Env, selection: Selection, loaders: 
   optimizer = b.eval(kws["optimizer"], env)
   if not isinstance(optimizer, Spec) or optimizer.kind != "optimizer":
     raise SxError("E-RUN-002", ":optimizer must be an optimizer", location=kws["optimizer"].loc,
-                  fix="sgd momentum adam adamw lion adafactor, e.g. (adamw :lr 1e-3)")
+                  fix=f"{optimizers.names_text()}, e.g. (adamw :lr 1e-3)")
   run = {k: selection.value(k) for k in RUN_KNOBS}
   run["eval-every"] = selection.value("eval-every")
   for k, v in run.items():

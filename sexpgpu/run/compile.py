@@ -106,6 +106,7 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
                      shuffle_default=training)
     loaders[name] = ld
     fields[name] = {f: (dtype_name(dt), tuple(sh)) for f, (sh, dt) in ld.fields.items()}
+  check_batches(exp, loaders)  # check refuses what run would
   stages = _stages(program, selection, exp, fields, taps)
   for st in stages:
     check_sizes(st.graph)
@@ -140,6 +141,33 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
   return Compiled(program, selection, exp, stages, passes, params, fields, loaders,
                   fingerprint(ir + "\n" + knobs), fingerprint(ir + "\n" + shapes),
                   time.perf_counter() - t0, selected, regions, patterns)
+
+
+def check_batches(exp, loaders: dict) -> None:
+  """Refuses a pass that reads more microbatches than its loader's split holds whole: past
+  them its loader wraps round, and the pass would average records it has already read.
+
+  An endless loader (a Markov chain, a task, a mix) has no such bound: its :batches is
+  bounded by front.experiment.MAX_PASS_BATCHES alone, and a long pass says how far it is
+  (run/passes.py's PASS_PROGRESS_SECONDS).
+
+  Raises:
+    SxError: E-LOAD-005 at the pass's `:batches` (or its defpass, when `:batches` is not
+      written), both counts named.
+  """
+  for name, p in exp.passes.items():
+    loader = loaders[p.data]
+    whole = loader.whole_batches()
+    if whole is None or p.batches <= whole:
+      continue
+    decl = exp.loaders[p.data]
+    raise SxError("E-LOAD-005", f"defpass {name} reads :batches {p.batches} microbatches of "
+                  f"{loader.batch_size} from loader `{p.data}`, whose split holds "
+                  f"{loader.records} records: {whole} whole microbatches",
+                  location=p.batches_loc or p.loc,
+                  fix=f":batches {whole} reads the split of `{p.data}` once; for more, give "
+                  "the loader a larger file or :split",
+                  notes=[("loader", str(decl.location))])
 
 
 def compile_source(text: str, name: str = "experiment.sx", base_dir: str | None = None,

@@ -140,7 +140,7 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
     fitting.append(cand)
   best, close = pick([x for x in cands if x in fitting or x.dropped])
   if best is None:
-    raise refuse(cands, "--set sharding=auto")
+    raise refuse(cands, "--set sharding=auto", c, "SEXPGPU_DEVICES naming", hw, free, nodes)
   if known and not known[0].dropped:
     best, how = next(x for x in cands if x.text == remembered and not x.dropped), "remembered"
   elif len([x for x in cands if not x.dropped]) == 1:

@@ -79,6 +79,15 @@ class Candidate:
   dropped: str | None = None
   planned: float | None = None  # the compiled memory plan's bytes, when it was compiled
   measured: float | None = None
+  # dropped because the microbatches do not divide over its data-parallel ranks, and it
+  # would fit were they to: the refusal is then the microbatches', not the memory's
+  fits_but_k: bool = False
+  k_memory: float = 0.0  # then its memory a device, as estimated
+
+  @property
+  def ranks(self) -> int:
+    """Its data-parallel ranks (data × fsdp × expert), over which the microbatches divide."""
+    return math.prod(s for a, s in self.mesh if a != "tensor")
 
   @property
   def text(self) -> str:
@@ -405,9 +414,10 @@ def candidates(c, devices: int, nodes: int, hw: Hardware, free: float, remats=No
     for remat in remats:
       cand = Candidate(mesh, remat)
       why = _fails_sizes(mesh, pairs)
-      ranks = math.prod(s for a, s in mesh if a != "tensor")
-      if why is None and k % ranks:
-        why = (f"the {k} microbatches do not divide over its {ranks} data-parallel ranks")
+      if why is None and k % cand.ranks:
+        why = (f"the {k} microbatches do not divide over its {cand.ranks} data-parallel ranks")
+        probe = estimate(c, Candidate(mesh, remat), hw, nodes, facts, pairs, state, k, precision)
+        cand.fits_but_k, cand.k_memory = probe.memory <= free, probe.memory
       if why is not None:
         cand.dropped = why
         out.append(cand)
@@ -428,7 +438,23 @@ def pick(cands: list, measured: bool = False) -> tuple[Candidate | None, list]:
   return best, [x for x in fit[:2] if x.time <= best.time * (1 + CLOSE)]
 
 
-def refuse(cands: list, where: str) -> SxError:
+def refuse(cands: list, where: str, c=None, devices_flag: str = "--devices",
+           hw: Hardware | None = None, free: float = 0.0, nodes: int = 1) -> SxError:
+  """The error when no candidate is left: E-DP-003 when a layout that would fit is dropped
+  only because the microbatches do not divide over its data-parallel ranks (the fix names
+  :microbatches and the device counts that divide them), else E-MEM-001.
+
+  Args:
+    cands: every candidate, each dropped with its reason.
+    where: the setting the choice came from (`--set sharding=auto`).
+    c: the Compiled experiment (for the microbatches and the device counts that divide).
+    devices_flag: what sets the device count: `--devices` on paper, SEXPGPU_DEVICES in a run.
+    hw, free, nodes: the devices, the bytes a device may use and the nodes they span (for
+      the counts that fit).
+  """
+  blocked = [x for x in cands if x.fits_but_k]
+  if blocked and c is not None:
+    return _refuse_microbatches(c, blocked, where, devices_flag, hw, free, nodes)
   fits = [x for x in cands if x.memory]
   small = min(fits, key=lambda x: x.memory) if fits else None
   return SxError("E-MEM-001", "no layout of :sharding auto fits: "
@@ -436,6 +462,53 @@ def refuse(cands: list, where: str) -> SxError:
                  where=where, fix=(f"the smallest is {small.name} at {mem.human(small.memory)} a "
                                    "device: more devices, remat, or a smaller batch or model"
                                    if small else "more devices, or a smaller model"))
+
+
+def _refuse_microbatches(c, blocked, where, devices_flag, hw, free, nodes) -> SxError:
+  k = int(c.exp.run["microbatches"])
+  blocked = sorted(blocked, key=lambda x: (x.ranks, x.k_memory))
+  best = blocked[0]
+  more = best.ranks * -(-k // best.ranks)  # the least multiple of its ranks above k
+  devices = math.prod(s for _, s in best.mesh)
+  counts = dividing_counts(c, k, devices, nodes, hw, free)
+  fewer = (f", or {devices_flag} " + " or ".join(f"{n} ({x.name})" for n, x in counts)
+           if counts else "")
+  return SxError(
+      "E-DP-003", f"no layout of :sharding auto on {devices} devices divides the {k} "
+      "microbatches over its data-parallel ranks; those that would fit were they to divide: "
+      + ", ".join(f"{x.name} ({x.ranks} ranks, {mem.human(x.k_memory)} a device)"
+                  for x in blocked[:4]) + (f" and {len(blocked) - 4} more" if len(blocked) > 4
+                                           else ""),
+      where=where,
+      fix=f"--set microbatches={more} ({best.name} then runs {more // best.ranks} on each of "
+          f"its {best.ranks} data-parallel ranks){fewer}")
+
+
+def dividing_counts(c, k: int, devices: int, nodes: int, hw: Hardware | None, free: float,
+                    most: int = 3) -> list:
+  """The largest device counts below `devices` (a multiple of `nodes`) with a layout whose
+  data-parallel ranks divide the `k` microbatches (and that fits, given `hw`): up to `most`
+  (count, candidate) pairs."""
+  from sexpgpu.lower.layouts import find_pairs
+  from sexpgpu.run.training import build
+  graph = c.stages[0].graph
+  pairs = find_pairs(graph)
+  facts, state = _graph_facts(graph, pairs), build(c).abstract_state()
+  precision = str(c.exp.run["precision"])
+  out = []
+  for n in range(devices - 1, 0, -1):
+    if n % nodes or len(out) == most:
+      continue
+    for mesh in meshes(n, bool(pairs.experts)):
+      cand = Candidate(mesh, False)
+      if _fails_sizes(mesh, pairs) is None and k % cand.ranks == 0:
+        if hw is not None:
+          estimate(c, cand, hw, nodes, facts, pairs, state, k, precision)
+          if cand.memory > free:
+            continue
+        out.append((n, cand))
+        break
+  return out
 
 
 # --- on paper -------------------------------------------------------------------------------
@@ -465,7 +538,7 @@ def paper(c, gpu: str, devices: int, nodes: int = 1) -> LayoutChoice:
     cands = mine
   best, close = pick(cands)
   if best is None:
-    raise refuse(cands, "--set sharding=auto")
+    raise refuse(cands, "--set sharding=auto", c, "--devices", hw, free, nodes)
   k = int(c.exp.run["microbatches"])
   return LayoutChoice(best, "only" if len([x for x in cands if not x.dropped]) == 1 else "model",
                       cands, hw, train_flops(c.stages[0].graph, k), tokens_a_step(c) * k, devices,

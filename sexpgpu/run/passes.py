@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from sexpgpu.errors import SxError
@@ -13,6 +14,18 @@ from sexpgpu.front.build import Builder
 from sexpgpu.front.values import Env
 from sexpgpu.run import output, signals
 from sexpgpu.run.stepping import quiet
+
+
+# A pass that runs longer than this says how far it has come, every this many seconds.
+PASS_PROGRESS_SECONDS = 10.0
+
+
+def _duration(seconds: float) -> str:
+  """`42 s`, `17 min`, `5.2 h` or `3.1 days`: how long the rest of a pass takes."""
+  for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+    if seconds >= 2 * size:
+      return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
+  return f"{seconds:.0f} s"
 
 
 def due(p, step: int, c) -> bool:
@@ -33,20 +46,31 @@ class Passes:
     self.c, self.training, self.samplers = c, training, samplers
     self.evaluators = evaluators
     self.metrics, self.progress, self.log = metrics, progress, log
-    self.resumed_at = resumed_at
+    # a resume at a step whose passes a stop cut short runs them again, all of them, and
+    # then the curriculum's decision they feed (first())
+    self.redo = resumed_at if resumed_at is not None and (
+        progress.passes_unfinished == resumed_at) else None
+    self.resumed_at = None if self.redo is not None else resumed_at
+    progress.passes_unfinished = None
 
   def due(self, step: int, at_end: bool) -> bool:
     """Whether any pass or sample runs after `step`."""
     return (at_end or any(due(p, step, self.c) for p in self.c.exp.passes.values())
             or self.samplers.due(step, at_end) or self.evaluators.due(step, at_end))
 
-  def first(self, state, step: int, lock, stop) -> None:
-    """The passes due as the loop starts (step 0's evaluation), unless a stop came during
-    start-up (none runs after it); from then on a stop signal is only recorded, and the
-    loop takes it at a step boundary (signals.loop_started)."""
+  def first(self, state, step: int, lock, stop) -> bool:
+    """The passes due as the loop starts (step 0's evaluation, or a resumed step's that a
+    stop cut short), unless a stop came during start-up (none runs after it); from then on
+    a stop signal is only recorded, and the loop takes it at a step boundary
+    (signals.loop_started). Returns whether the curriculum moved on (the loop restarts its
+    loaders)."""
+    moved = False
     if not stop.here():
-      self.run(state, step, step == self.progress.steps, lock)
+      ran = self.run(state, step, step == self.progress.steps, lock)
+      moved = ran and step == self.redo and self.progress.passes_unfinished is None and (
+          self.advance(step))
     signals.loop_started()
+    return moved
 
   def run(self, state, step: int, at_end: bool, lock) -> bool:
     """Every pass and sample due at `step`, holding `lock` (the loader's, which a pass may
@@ -57,6 +81,8 @@ class Passes:
     with quiet(place.multiprocess and self.training.sharding != "replicate"):
       with lock:
         ran = self._evaluate(state, step, at_end)
+      if self.progress.passes_unfinished == step:
+        return False  # cut short by a stop: the rest run again on resume, none now
       self.evaluators.run(place, state["params"], step, at_end, self.resumed_at, self.metrics,
                           self.progress, self.log)
       self.samplers.run(place, state["params"], step, self.progress.steps, at_end,
@@ -72,13 +98,10 @@ class Passes:
         continue
       progress.set_status("evaluating", step)
       t = time.perf_counter()
-      loader = c.loaders[p.data]
-      sums: dict[str, Any] = {}
-      for i in range(p.batches):
-        batch = place.replicate(loader.batch(i))
-        vals = training.pass_steps[name](state["params"], batch, i)
-        for mname, v in vals.items():
-          sums[mname] = v if mname not in sums else sums[mname] + v
+      sums = self._batches(name, p, state, step, t)
+      if sums is None:  # a stop came during the pass: it has no numbers, and the loop stops;
+        progress.passes_unfinished = step  # the checkpoint says so, and a resume redoes them
+        return False
       # host sync: the progress line needs the numbers
       values = {f"{name}/{mname}": float(place.host(sums[mname])) / p.batches
                 for mname, _ in p.metrics}
@@ -102,6 +125,36 @@ class Passes:
                       "last checkpoint before this step is intact")
       ran = True
     return ran
+
+  def _batches(self, name: str, p, state, step: int, t: float) -> dict | None:
+    """The sums of pass `name`'s metrics over its batches; a line every
+    PASS_PROGRESS_SECONDS when it runs long; None when a stop signal came while it ran long
+    (on one process: the nodes of a run over several finish the pass together). A pass
+    that has not yet run long finishes first, as a step does: a resume skips the passes of
+    the step it resumes, so a stop at a step whose pass decides the curriculum must not
+    lose that pass."""
+    training, place = self.training, self.training.place
+    loader = self.c.loaders[p.data]
+    sums: dict[str, Any] = {}
+    told = t
+    for i in range(p.batches):
+      if signals.FLAG.received is not None and told > t and not place.multiprocess:
+        self.log(f"{name}: stopped by {signals.FLAG.name} after {i} of {p.batches} batches "
+                 f"at step {step}; the pass's numbers are not written")
+        return None
+      batch = place.replicate(loader.batch(i))
+      vals = training.pass_steps[name](state["params"], batch, i)
+      for mname, v in vals.items():
+        sums[mname] = v if mname not in sums else sums[mname] + v
+      now = time.perf_counter()
+      if now - told >= PASS_PROGRESS_SECONDS and i + 1 < p.batches:
+        jax.block_until_ready(sums)  # host sync: the line counts batches computed
+        now = time.perf_counter()
+        rate = (i + 1) / (now - t)
+        self.log(f"{name}: batch {i + 1}/{p.batches} at step {step}, {rate:.1f} batches/s, "
+                 f"about {_duration((p.batches - i - 1) / rate)} left")
+        told = now
+    return sums
 
   def advance(self, step: int) -> bool:
     """Moves to the next curriculum stage when its condition holds; returns whether it did."""

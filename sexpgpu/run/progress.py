@@ -53,6 +53,8 @@ class Progress:
   counters: dict = dataclasses.field(default_factory=lambda: {"records": 0})
   last_pass: dict = dataclasses.field(default_factory=dict)
   train_loss: float | None = None
+  # the step whose passes a stop cut short (checkpointed, so a resume runs them again)
+  passes_unfinished: int | None = None
   step_times: list = dataclasses.field(default_factory=list)
   pass_times: dict = dataclasses.field(default_factory=dict)
   first_pass: dict = dataclasses.field(default_factory=dict)

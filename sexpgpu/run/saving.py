@@ -64,6 +64,8 @@ def resume(c, training, resume_dir: str, progress, metrics):
   progress.base["stage"] = progress.stage
   progress.counters = {n: int(v) for n, v in meta_["counters"].items()}
   progress.last_pass = dict(meta_.get("last_pass") or {})
+  unfinished = meta_.get("passes_unfinished")
+  progress.passes_unfinished = int(unfinished) if isinstance(unfinished, int) else None
   progress.train_loss = meta_.get("train_loss")
   for n, st in meta_["loaders"].items():
     c.loaders[n].set_state(st)
@@ -114,6 +116,8 @@ class Saver:
                           node_gradients=training.node_gradients, stacking=stacking,
                           sharding=training.sharding,
                           mesh=dict(place.mesh.shape) if place.mesh is not None else {})
+    if p.passes_unfinished == step:  # a stop cut this step's passes short: resume redoes them
+      out["passes_unfinished"] = step
     if place.first.platform != "cpu":
       from sexpgpu.run.devices import autotune_results
       tuned = autotune_results()  # under SEXPGPU_DETERMINISTIC: a resume picks the same kernels

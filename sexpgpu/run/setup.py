@@ -13,7 +13,7 @@ import jax
 from sexpgpu import env
 from sexpgpu import record, retrying
 from sexpgpu.env import check_visible, cpu_visible, rendezvous_timeout
-from sexpgpu.errors import SxError
+from sexpgpu.errors import SxError, scrub
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT
 from sexpgpu.lower.flops import device_peak, forward_bytes, train_flops
 from sexpgpu.run import layout_choice, output, signals
@@ -112,11 +112,34 @@ def open_checkpoints(c, o, node: int):
       store.check_writable()
   signals.starting(None, store is not None)  # what a stop's line says from now
   if not o.resume:
+    if store is not None:
+      _refuse_unresumed(c, store)
     return store, None, "-"
   from sexpgpu.ckpt import resolve_resume
   step_dir, text = resolve_resume(o.resume, o.checkpoint_dir, c.slug)
   signals.starting(step_dir, store is not None)
   return store, step_dir, text
+
+
+def _refuse_unresumed(c, store) -> None:
+  """Refuses, before anything is planned or initialized, a run that does not resume into a
+  location that already holds its slug's checkpoints (E-CKPT-006): its saves would replace
+  them a step at a time, and `--resume latest` would then mix the two runs.
+
+  Raises:
+    SxError: E-CKPT-006 naming the steps there, the store closed (its lock released).
+  """
+  earlier = store.steps()
+  if not earlier:
+    return
+  store.close()
+  shown = ", ".join(map(str, earlier[-5:]))
+  run_dir = scrub(store.run_dir)
+  raise SxError("E-CKPT-006", f"{run_dir} already holds run {c.slug}'s checkpoints "
+                f"(step{'s' if len(earlier) > 1 else ''} {shown}), and this run does not "
+                "resume: its own would replace them one step at a time", where=store.where,
+                fix=f"--resume latest continues from step {earlier[-1]}; to start over, "
+                f"give another --checkpoint-dir or SEXPGPU_RUN_SLUG, or remove {run_dir}")
 
 
 def open_metrics(c, o, place, node: int, resume_text: str, log):
