@@ -70,6 +70,7 @@ VARIANTS = ["smoke", "nope", "", "smoke smoke"]
 # run must refuse). Variables that make a run wait for other nodes are fed to check only.
 VARIABLES = {
     "SEXPGPU_PATTERNS": ["on", "off", "maybe", ""],
+    "SEXPGPU_TRUST_PYTHON": ["1", "0", "yes"],
     "SEXPGPU_STACKING": ["auto", "1", "2", "3", "0", "-3", "x", "99999999999999999999", LONG],
     "SEXPGPU_RUN_SLUG": ["a", "../x", "é", "a b", "", "..", ".", "a/b", "a\\b", "\udcff",
                          "x" * 300],
@@ -98,6 +99,7 @@ VARIABLES = {
     "SEXPGPU_DEBUG": ["0", "2"],
 }
 INVALID_VARIABLES = {
+    "SEXPGPU_TRUST_PYTHON": {"yes"},
     "SEXPGPU_PATTERNS": {"maybe"}, "SEXPGPU_STACKING": {"0", "-3", "x", "99999999999999999999",
                                                         LONG},
     "SEXPGPU_RUN_SLUG": {"../x", "..", ".", "a/b", "a\\b", "x" * 300},
