@@ -85,7 +85,7 @@ def load_task(path: str, limit: int | None = None) -> Task:
                              f"most {bounded.size_text(TASK_BYTES)}, one document a line of "
                              f"at most {bounded.size_text(LINE_BYTES)}")
   docs, kind = [], None
-  for n, raw in _readable(lines, path):
+  for n, raw in lines:
     if limit is not None and len(docs) >= limit:
       break
     if not raw.strip():
@@ -101,17 +101,6 @@ def load_task(path: str, limit: int | None = None) -> Task:
                   fix=_SHAPES)
   name = os.path.splitext(os.path.basename(path))[0]
   return Task(name, path, kind, tuple(docs))
-
-
-def _readable(lines, path: str):
-  """`lines`, with a read that fails (EIO of /proc/self/mem) as E-EVAL-001: read_lines lets
-  its readline's OSError through."""
-  try:
-    yield from lines
-  except OSError as e:
-    raise SxError("E-EVAL-001", f"task file {path}: cannot be read: "
-                  f"{e.strerror or type(e).__name__}", where=path,
-                  fix="give a task file on a disk, not a file of /proc or /sys") from None
 
 
 def _json_line(path: str, n: int, raw: str) -> Any:

@@ -47,7 +47,7 @@ def read_events(paths: list[str], skipped: dict[str, list[int]] | None = None
     lines = bounded.read_lines(path, limit=METRICS_BYTES, line_limit=LINE_BYTES,
                                what="metrics file", code="E-METRICS-001", where=path,
                                fix="give the jsonl file a run wrote with --metrics jsonl:PATH")
-    for number, line in _readable(lines, path):
+    for number, line in lines:
       ev = _event(line)
       if ev is None:
         if line.strip() and skipped is not None:
@@ -55,17 +55,6 @@ def read_events(paths: list[str], skipped: dict[str, list[int]] | None = None
         continue
       by_slug[str(ev.get("slug", path))[:200]].append(ev)
   return dict(by_slug)
-
-
-def _readable(lines, path: str):
-  """`lines`, with a read that fails (EIO of /proc/self/mem) as E-METRICS-001: read_lines
-  lets its readline's OSError through."""
-  try:
-    yield from lines
-  except OSError as e:
-    raise SxError("E-METRICS-001", f"metrics file {path}: cannot be read: "
-                  f"{e.strerror or type(e).__name__}", where=path,
-                  fix="give a metrics file on a disk, not a file of /proc or /sys") from None
 
 
 def _event(line: str) -> dict | None:
