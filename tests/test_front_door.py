@@ -185,7 +185,7 @@ def test_plot_of_a_binary_file(tmp_path, capsys):
   p = tmp_path / "m.jsonl"
   p.write_bytes(bytes(range(256)) * 4)
   code, _, err = cli(capsys, "plot", str(p), "-o", str(tmp_path / "c.png"))
-  assert code == 1 and "error[E-METRICS-001]" in err and "not text" in err
+  assert code == 1 and "error[E-METRICS-001]" in err and "is not UTF-8 text" in err
 
 
 def test_watch_of_a_missing_file_ends(tmp_path, capsys):

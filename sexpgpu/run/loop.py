@@ -111,8 +111,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
     # --- the loop -------------------------------------------------------------------------
     step = start
     feed.start(progress.stage, start)
-    if passes.first(state, start, feed.lock, stop):  # then a signal waits for a boundary
-      feed.restart(progress.stage, start)
+    passes.first(state, start, feed, stop)  # then a signal waits for a step boundary
     progress.set_status("running", step)
     try:
       while step < progress.steps and not stop.here():

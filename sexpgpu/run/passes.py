@@ -58,19 +58,18 @@ class Passes:
     return (at_end or any(due(p, step, self.c) for p in self.c.exp.passes.values())
             or self.samplers.due(step, at_end) or self.evaluators.due(step, at_end))
 
-  def first(self, state, step: int, lock, stop) -> bool:
+  def first(self, state, step: int, feed, stop) -> None:
     """The passes due as the loop starts (step 0's evaluation, or a resumed step's that a
     stop cut short), unless a stop came during start-up (none runs after it); from then on
     a stop signal is only recorded, and the loop takes it at a step boundary
-    (signals.loop_started). Returns whether the curriculum moved on (the loop restarts its
-    loaders)."""
-    moved = False
+    (signals.loop_started). When the curriculum moves on then, `feed` (the run's Feed)
+    restarts its loaders for the new stage."""
     if not stop.here():
-      ran = self.run(state, step, step == self.progress.steps, lock)
-      moved = ran and step == self.redo and self.progress.passes_unfinished is None and (
-          self.advance(step))
+      ran = self.run(state, step, step == self.progress.steps, feed.lock)
+      if ran and step == self.redo and self.progress.passes_unfinished is None and (
+          self.advance(step)):
+        feed.restart(self.progress.stage, step)
     signals.loop_started()
-    return moved
 
   def run(self, state, step: int, at_end: bool, lock) -> bool:
     """Every pass and sample due at `step`, holding `lock` (the loader's, which a pass may
