@@ -71,7 +71,7 @@ def test_generated_inputs_reach_the_sizes_names_and_secrets():
   import random
   rng = random.Random(1)
   seeds = {p: open(p, encoding="utf-8").read() for p in fuzz.SEEDS}
-  inputs = [fuzz.generate(rng, seeds) for _ in range(1500)]
+  inputs = [fuzz.generate(rng, seeds) for _ in range(3000)]
   runs = [fuzz.generate(rng, seeds, light=True) for _ in range(300)]
   texts = [d for d, _, _, _ in inputs]
   flags = [" ".join(f) for _, f, _, _ in inputs + runs]
