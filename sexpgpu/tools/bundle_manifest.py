@@ -42,7 +42,8 @@ _CHUNK = 1 << 20
 _NOT_RELATIVE = "is not a plain relative path (absolute, `..`, or an empty or `.` part)"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-# What reading a damaged archive raises, besides OSError (zipfile and its codecs).
+# What reading a damaged archive raises, besides OSError (zipfile and its codecs: an unknown
+# compression method is NotImplementedError, an encrypted member RuntimeError).
 DAMAGED = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError,
            NotImplementedError, RuntimeError, struct.error, zlib.error,
            KeyError, IndexError, OverflowError)
