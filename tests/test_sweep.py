@@ -112,6 +112,22 @@ def test_emit_skypilot(tmp_path):
     lr, width = f[:-5].split("-lr=")[1].split("-width=")
     assert f"--set lr={lr} --set width={width} --set checkpoint-every=5" in run
     assert task["envs"]["SEXPGPU_DEVICE"] == "cuda"
+    assert "--trust-python" not in run  # not asked: the task trusts nothing more than here
+
+
+def test_emitted_tasks_carry_the_sweeps_trust_in_python(tmp_path):
+  """SEXPGPU_TRUST_PYTHON=1 (or --trust-python) on the sweep reaches each task's run line:
+  the task's machine has no variable of this shell's."""
+  env = {**os.environ, "SEXPGPU_TRUST_PYTHON": "1"}
+  r = subprocess.run(sexpgpu_cmd("sweep", EXP, "--set", "lr=1e-3,2e-3", "--emit", "skypilot",
+                                 str(tmp_path / "tasks")),
+                     cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+  assert r.returncode == 0, r.stderr
+  files = sorted(os.listdir(tmp_path / "tasks"))
+  assert len(files) == 2
+  for f in files:
+    run = (tmp_path / "tasks" / f).read_text().split("run: |\n", 1)[1]
+    assert "--trust-python --json" in run
 
 
 def test_bad_grid_is_refused_before_anything_runs(tmp_path):

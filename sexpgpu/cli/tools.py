@@ -63,7 +63,8 @@ def cmd_sweep(argv: list[str]) -> int:
       eval_every=fv.eval_every, diagnostics=fv.diagnostics, device=fv.device,
       metrics=fv.metrics, checkpoint_dir=fv.checkpoint_dir,
       status_dir=fv.status if fv.status is not None else fv.status_dir,
-      parallel=fv.parallel, table=fv.table)
+      parallel=fv.parallel, table=fv.table,
+      trust_python=env.trust_python() if fv.trust_python is None else fv.trust_python)
   if emit_dir is not None:
     for path in sweep.emit_skypilot(opts, emit_dir, fv.accelerators):
       sys.stdout.write(path + "\n")

@@ -53,6 +53,7 @@ class SweepOptions:
   status_dir: str = "sweep"
   parallel: int = 1
   table: str | None = None
+  trust_python: bool = False  # --trust-python or SEXPGPU_TRUST_PYTHON=1: an emitted task says so
 
 
 @dataclasses.dataclass
@@ -464,8 +465,10 @@ def emit_skypilot(opts: SweepOptions, out_dir: str, accelerators: str = "H100:1"
   os.makedirs(out_dir, exist_ok=True)
   written = []
   for p in points:
-    argv = ["SEXPGPU_DEVICE=cuda"] + [shlex.quote(a) for a in
-                                      run_argv(local, p, resume, program="sexpgpu")]
+    run_line = run_argv(local, p, resume, program="sexpgpu")
+    if opts.trust_python:  # the task's machine has no variable of this shell's
+      run_line.insert(-1, "--trust-python")
+    argv = ["SEXPGPU_DEVICE=cuda"] + [shlex.quote(a) for a in run_line]
     name = "".join(c if c.isalnum() else "-" for c in p.slug.lower()).strip("-")
     text = "\n".join([
         f"# sexpgpu sweep point {p.slug}",
