@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.lower.attention import under_rank_vmap
-from sexpgpu.lower.interp import NOT_HANDLED, arguments, repeat_value, run_graph
+from sexpgpu.lower.interp import NOT_HANDLED, arguments, lowered, repeat_value, run_graph
 from sexpgpu.lower.registry import lowering
 from sexpgpu.lower.layouts import DATA_AXES
 from sexpgpu.lower.step import TrainStep
@@ -184,7 +184,7 @@ class ShardedTrainStep(TrainStep):
         args[i] = self._held(args[i], axis, "expert")
       if uid in self.starts:
         args[0] = self._held(x, None, "tensor")
-      value = lowering(node.op, ctx.platform)(ctx, *args, **dict(node.attrs))
+      value = lowered(node, ctx, args, dict(node.attrs))
       if uid in self.dispatch:
         return self._held(value, self.dispatch[uid][2], "expert")
       if uid in self.inner:

@@ -71,16 +71,22 @@ def evaluate(roots: list[Node], env: dict, params: dict, inputs: dict, ctx: Lowe
     else:
       args = arguments(node, env)
       attrs = {k: v for k, v in node.attrs}
-      try:
-        value = lowering(op, ctx.platform)(ctx, *args, **attrs)
-      except Exception as e:
-        source = OPS[op].source  # an op written in Python: its error at its `.sx` call
-        if source is None or isinstance(e, SxError):
-          raise
-        raise op_error(op, source, e, node.loc) from None
+      value = lowered(node, ctx, args, attrs)
       if op == "tap" and taps is not None:
         taps.setdefault(attrs["name"], []).append(value)
       env[node.uid] = value
+
+
+def lowered(node: Node, ctx, args: list, attrs: dict):
+  """`node`'s value by its op's lowering rule; what an op written in Python raises is
+  E-OP-001 at its `.sx` call (every caller of a rule goes through here)."""
+  try:
+    return lowering(node.op, ctx.platform)(ctx, *args, **attrs)
+  except Exception as e:
+    source = OPS[node.op].source
+    if source is None or isinstance(e, SxError):
+      raise
+    raise op_error(node.op, source, e, node.loc) from None
 
 
 def arguments(node: Node, env: dict) -> list:
