@@ -173,3 +173,47 @@ def test_the_checkpoint_commands_take_a_bundle_as_run_does(char_bundle, tmp_path
                                  "--checkpoint-dir", str(ckpt), "-o", str(out)),
                      cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert r.returncode == 1 and "error[E-VARIANT-001]" in r.stderr, r.stderr
+
+
+def test_a_bundle_made_with_another_std_says_which_file_differs(char_bundle, tmp_path,
+                                                                 monkeypatch, capsys):
+  """The manifest's std hashes are compared with this installation's files: each that differs
+  (or is gone) is one line on standard error, and the run goes on with the installed one; a
+  name that is no std file (hostile) is not looked up."""
+  path, _ = char_bundle
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
+  open_bundle(str(path))
+  assert capsys.readouterr().err == ""  # made with this installation's std: nothing to say
+
+  def change(name, data):
+    if name != "manifest.json":
+      return name, data
+    m = json.loads(data)
+    m["std"].update({"std/lm.sx": "0" * 64, "std/gone.sx": "1" * 64, "std/../x.sx": "2" * 64})
+    m["versions"]["sexpgpu"] = "0.0.9"
+    return name, json.dumps(m).encode()
+  other = tmp_path / "other.sxb"
+  _rewrite(path, other, change)
+  sx, _, _ = open_bundle(str(other))
+  assert os.path.isfile(sx)
+  assert capsys.readouterr().err.splitlines() == [
+      "bundle: std/gone.sx of sexpgpu 0.0.9 is not in this installation",
+      "bundle: std/lm.sx differs from the one the bundle was made with (sexpgpu 0.0.9); this "
+      "run compiles this installation's, so its results may differ from the bundle's"]
+
+
+def test_an_extraction_killed_outright_is_swept_by_the_next(char_bundle, tmp_path, monkeypatch):
+  """A `.tmp` folder of a process that no longer exists (SIGKILL mid-extraction) is removed
+  when the bundle is next opened; one of a living process is left to it."""
+  from sexpgpu.tools.bundle import sha256_file
+  path, _ = char_bundle
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
+  dest = tmp_path / "cache" / "bundles" / sha256_file(str(path))[:32]
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  abandoned, living = (dest.parent / f"{dest.name}.{dead.pid}.tmp",
+                       dest.parent / f"{dest.name}.{os.getppid()}.tmp")
+  for d in (abandoned, living):
+    (d / "half").mkdir(parents=True)
+  open_bundle(str(path))
+  assert dest.is_dir() and not abandoned.exists() and living.exists()

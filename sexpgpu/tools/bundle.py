@@ -33,6 +33,7 @@ import zipfile
 from typing import Iterator
 
 from sexpgpu.errors import SxError
+from sexpgpu.run.output import err
 from sexpgpu.paths import replacing, without_credentials
 from sexpgpu.tools import bundle_manifest as bm
 from sexpgpu.tools.bundle_manifest import FORMAT, MANIFEST
@@ -306,6 +307,7 @@ def open_bundle(path: str) -> tuple[str, str | None, list[tuple[str, str]]]:
     if os.path.isdir(dest) and not _extracted_intact(manifest, dest):
       shutil.rmtree(dest, ignore_errors=True)  # changed since it was extracted and verified
     if not os.path.isdir(dest):
+      _sweep_abandoned(dest)
       tmp = f"{dest}.{os.getpid()}.tmp"
       extract(archive, manifest, tmp)
       try:
@@ -316,7 +318,53 @@ def open_bundle(path: str) -> tuple[str, str | None, list[tuple[str, str]]]:
     archive.close()
   experiment = os.path.join(dest, *manifest.experiment.split("/"))
   _link_data_beside(path, os.path.dirname(experiment), manifest)
+  for line in std_changes(manifest):
+    err(f"bundle: {line}")
   return experiment, manifest.variant, list(manifest.sets)
+
+
+def _sweep_abandoned(dest: str) -> None:
+  """Removes `<dest>.<pid>.tmp` folders whose process is gone (an extraction killed with
+  SIGKILL or a power cut, which no `finally` cleans); a living process's is left alone."""
+  folder, name = os.path.split(dest)
+  try:
+    entries = os.listdir(folder)
+  except OSError:
+    return
+  for entry in entries:
+    pid = entry[len(name) + 1:-len(".tmp")]
+    if not (entry.startswith(name + ".") and entry.endswith(".tmp") and pid.isdigit()):
+      continue
+    try:
+      os.kill(int(pid), 0)
+    except ProcessLookupError:
+      shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+    except (OSError, OverflowError):
+      pass  # another user's process, or no such pid to ask about: left as it is
+
+
+def std_changes(manifest: bm.Manifest) -> list[str]:
+  """Each standard-library file the bundle was made with that this installation holds
+  differently, or not at all (the run compiles this installation's: its graph, and so its
+  fingerprint, may differ from the manifest's)."""
+  from sexpgpu.lang.program import STD_DIR
+  made_with = (manifest.raw.get("versions") or {}).get("sexpgpu", "another version")
+  out = []
+  for display, digest in sorted((manifest.raw.get("std") or {}).items()):
+    name = display[len("std/"):] if display.startswith("std/") else ""
+    if not name.endswith(".sx") or os.sep in name or "/" in name or name.startswith("."):
+      continue  # no file of the standard library's: nothing here to compare it with
+    here = os.path.join(STD_DIR, name)
+    try:
+      same = sha256_file(here) == digest
+    except OSError:
+      out.append(f"{display} of sexpgpu {made_with} is not in this installation")
+      continue
+    if not same:
+      out.append(f"{display} differs from the one the bundle was made with (sexpgpu "
+                 f"{made_with}); this run compiles this installation's, so its results may "
+                 "differ from the bundle's")
+  return out
 
 
 def bundle_selection(given: str, variant: str | None, sets: list[tuple[str, str]]
