@@ -217,3 +217,14 @@ def test_an_extraction_killed_outright_is_swept_by_the_next(char_bundle, tmp_pat
     (d / "half").mkdir(parents=True)
   open_bundle(str(path))
   assert dest.is_dir() and not abandoned.exists() and living.exists()
+
+
+def test_check_of_a_bundle_names_the_bundle_not_its_extracted_copy(char_bundle, tmp_path,
+                                                                    monkeypatch, capsys):
+  from sexpgpu.cli.main import main
+  path, original = char_bundle
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
+  capsys.readouterr()
+  assert main(["check", str(path)]) == 0
+  first = capsys.readouterr().out.splitlines()[0]
+  assert first.startswith(f"check: {path} slug {original['slug']} fingerprint "), first

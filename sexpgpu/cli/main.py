@@ -331,7 +331,10 @@ def cmd_check(argv: list[str]) -> int:
     text = guarded(path, variant, sets, overrides, fv.diagnostics,
                    lambda: check(path, variant, sets, fv.diagnostics, fv.print, device,
                                  overrides, fv.fn, fv.target, fv.gpu, fv.devices, fv.nodes))
-  output.write(sys.stdout, text)
+  first, nl, after = text.partition("\n")
+  if given != path and first.startswith("check: ") and " slug " in first:
+    text = f"check: {given} slug {first.rsplit(' slug ', 1)[1]}{nl}{after}"  # as given, not
+  output.write(sys.stdout, text)  # the bundle's extracted copy in the cache
   return 0
 
 
