@@ -209,3 +209,25 @@ def test_a_second_signal_during_the_final_checkpoint_keeps_it_whole(tmp_path):
   assert CheckpointStore(str(ck), "curriculum-checkpoint-every=1000-width=384", 3).latest() \
       == step_dir
   assert read_meta(step_dir)["step"] == json.loads(out)["steps"]
+
+
+def test_resume_from_an_older_step_says_its_later_steps_are_replaced(tmp_path):
+  """A rollback (--resume of an older step folder of the run's own location) says which
+  later steps its saves replace; --resume latest says nothing of the kind."""
+  tiny = os.path.join(ROOT, "configs", "tiny-lm.sx")
+  base = ["run", tiny, "--variant", "smoke", "--set", "checkpoint-every=2", "--eval-every", "0",
+          "--checkpoint-dir", str(tmp_path / "ck")]
+  r = subprocess.run(sexpgpu_cmd(*base, "--steps", "6"), cwd=ROOT, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  run_dir = tmp_path / "ck" / "tiny-lm-smoke-checkpoint-every=2"
+  assert sorted(int(d) for d in os.listdir(run_dir) if d.isdigit())[-3:] == [2, 4, 6]
+  r = subprocess.run(sexpgpu_cmd(*base, "--steps", "6", "--resume", str(run_dir / "2")),
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  said = [line for line in r.stderr.splitlines() if line.startswith("resume: ")]
+  assert said == [f"resume: from step 2 of {run_dir}, which holds later steps 4, 6: each is "
+                  "replaced when this run saves that step"], r.stderr
+  r = subprocess.run(sexpgpu_cmd(*base, "--steps", "6", "--resume", "latest"), cwd=ROOT,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and "resume: " not in r.stderr, r.stderr

@@ -118,7 +118,25 @@ def open_checkpoints(c, o, node: int):
   from sexpgpu.ckpt import resolve_resume
   step_dir, text = resolve_resume(o.resume, o.checkpoint_dir, c.slug)
   signals.starting(step_dir, store is not None)
+  if store is not None and node == 0 and step_dir:
+    _say_later_steps(store, step_dir)
   return store, step_dir, text
+
+
+def _say_later_steps(store, step_dir: str) -> None:
+  """A resume from an older step of the run's own location: its later steps are replaced as
+  this run saves those steps (a rollback past a loss spike), said before the first one is."""
+  parent, name = os.path.split(step_dir.rstrip("/"))
+  same = (parent.rstrip("/") == store.run_dir.rstrip("/") if store.remote
+          else os.path.realpath(parent) == os.path.realpath(store.run_dir))
+  if not (same and name.isdigit()):
+    return
+  later = [s for s in store.steps() if s > int(name)]
+  if later:
+    shown = ", ".join(map(str, later[:5])) + (", ..." if len(later) > 5 else "")
+    output.err(f"resume: from step {name} of {scrub(store.run_dir)}, which holds later "
+               f"step{'s' if len(later) > 1 else ''} {shown}: each is replaced when this run "
+               "saves that step")
 
 
 def _refuse_unresumed(c, store) -> None:
