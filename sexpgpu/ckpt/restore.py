@@ -182,7 +182,7 @@ def read_meta(step_dir: str) -> dict:
   Raises:
     SxError: E-CKPT-003 when missing, incomplete or unreadable.
   """
-  return _read(step_dir, meta_of, only="meta")
+  return read_verified(step_dir, meta_of, only="meta")
 
 
 def meta_of(local_dir: str) -> dict:
@@ -235,13 +235,14 @@ def restore_checkpoint(step_dir: str, abstract_state: Any,
         raise _unreadable(step_dir, str(e)) from e
       return state, meta_of(local_dir)
     return orbax_io.restore(local_dir, abstract_state)
-  state, meta = _read(step_dir, reader)
+  state, meta = read_verified(step_dir, reader)
   _check_like(step_dir, state, abstract_state)
   return state, meta
 
 
-def _read(step_dir: str, reader: Callable[[str], Any], only: str | None = None) -> Any:
-  """reader(a local verified copy of step_dir); `only` is None for the last read of it."""
+def read_verified(step_dir: str, reader: Callable[[str], Any], only: str | None = None) -> Any:
+  """reader(a local verified copy of step_dir): a complete step folder that verifies, read
+  by the caller's reader; `only` is None for the last read of it (its copy is removed)."""
   step_dir = _normal(step_dir)
   if not _is_complete(step_dir, scrub(step_dir)):
     why = "no such folder" if _missing(step_dir) else "not a complete checkpoint"

@@ -44,14 +44,14 @@ def checkpoint_params(step_dir: str) -> tuple[dict[str, np.ndarray], dict]:
   """
   from sexpgpu.ckpt import shards
   from sexpgpu.ckpt.orbax_io import ocp
-  from sexpgpu.ckpt.restore import _read, meta_of
+  from sexpgpu.ckpt.restore import read_verified, meta_of
 
   def reader(local: str):
     if shards.is_sharded(local):  # every process wrote its own shards
       return {"params": shards.read_group(local, "params")}, meta_of(local)
     return ocp.StandardCheckpointer().restore(os.path.join(local, "state")), meta_of(local)
 
-  state, meta = _read(step_dir, reader)
+  state, meta = read_verified(step_dir, reader)
   params = state.get("params") if isinstance(state, dict) else None
   if not isinstance(params, dict):
     raise SxError("E-CKPT-003", f"cannot read checkpoint {step_dir}: it holds no parameters",

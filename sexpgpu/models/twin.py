@@ -21,8 +21,8 @@ import numpy as np
 from sexpgpu import bounded
 from sexpgpu.errors import SxError
 from sexpgpu.models import twin_families as families
-from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _layers,
-                                      _literal, _scope_nodes, llama_shaped_problems, rotary,
+from sexpgpu.models.twin_base import (Tensor, Twin, config_differences, layer_count,
+                                      scope_literal, scope_nodes, llama_shaped_problems, rotary,
                                       LLAMA_ATTENTION)
 
 FIX = ("build the model with (gpt2 tokens ...) from (require std/gpt2), (llama tokens ...) "
@@ -50,7 +50,7 @@ GPT2_ENDOFTEXT = 50256  # <|endoftext|> in GPT-2's own 50257-token vocabulary
 def _gpt2(root: str, params: dict, graph) -> Twin:
   vocab, width = params[root + "wte"].full_shape
   positions = params[root + "wpe"].full_shape[0]
-  layers = _layers(params, root + GPT2_SCOPE)
+  layers = layer_count(params, root + GPT2_SCOPE)
   d, v, n = width, vocab, positions
   top = {"wte": (v, d), "wpe": (n, d), "ln_f/scale": (d,), "ln_f/bias": (d,)}
   block = {"attn/c_attn/w": (d, 3 * d), "attn/c_attn/b": (3 * d,), "attn/c_proj/w": (d, d),
@@ -61,11 +61,11 @@ def _gpt2(root: str, params: dict, graph) -> Twin:
                                                   block.get(rel, (d,)), layers)
                   for rel, name in GPT2_BLOCK.items()})
   heads, eps, drop = None, 1e-5, 0.0
-  for node in _scope_nodes(graph, root):
+  for node in scope_nodes(graph, root):
     if (node.op == "reshape" and node.scope.endswith("/attn") and len(node.shape) == 4
         and node.shape[2] * node.shape[3] == width):
       heads = node.shape[2]
-    eps = _literal(node, "/ln_f", "+", eps)
+    eps = scope_literal(node, "/ln_f", "+", eps)
     if node.op == "dropout":
       drop = max(drop, float(node.attr("rate")))
   if heads is None and layers:
@@ -89,7 +89,7 @@ def _gpt2(root: str, params: dict, graph) -> Twin:
 
 def _gpt2_config_problems(t: Twin, theirs: dict) -> list[str]:
   ours = t.config
-  out = _differ(theirs, ours, ("model_type", "vocab_size", "n_embd", "n_layer", "n_head",
+  out = config_differences(theirs, ours, ("model_type", "vocab_size", "n_embd", "n_layer", "n_head",
                                "n_positions"))
   act = theirs.get("activation_function", "gelu_new")
   if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -174,7 +174,7 @@ LLAMA_SCOPE = "layers/llama-block/"
 
 def _llama(root: str, params: dict, graph) -> Twin:
   vocab, width = params[root + "embed_tokens"].full_shape
-  layers = _layers(params, root + LLAMA_SCOPE)
+  layers = layer_count(params, root + LLAMA_SCOPE)
 
   def one(rel: str, axis: int, default: int) -> int:
     p = params.get(root + LLAMA_SCOPE + rel)

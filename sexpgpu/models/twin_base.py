@@ -41,7 +41,8 @@ class Twin:
     return self.config["architectures"][0]
 
 
-def _differ(theirs: dict, ours: dict, keys) -> list[str]:
+def config_differences(theirs: dict, ours: dict, keys) -> list[str]:
+  """One line for each of `keys` whose value in a `config.json` (theirs) differs from ours."""
   return [f"config.json {k} {theirs.get(k)!r} there, {ours[k]!r} here" for k in keys
           if theirs.get(k) != ours[k]]
 
@@ -68,7 +69,8 @@ def llama_shaped_problems(theirs: dict, ours: dict, defaults: dict) -> list[str]
   to the heads, the head's width to the width over the heads)."""
   defaults = {"num_key_value_heads": theirs.get("num_attention_heads"), **defaults,
               "head_dim": ours["hidden_size"] // max(ours["num_attention_heads"] or 1, 1)}
-  return _differ(theirs, ours, LLAMA_SIZES) + _differ_from_defaults(theirs, ours, defaults)
+  return (config_differences(theirs, ours, LLAMA_SIZES)
+          + _differ_from_defaults(theirs, ours, defaults))
 
 
 def _differ_from_defaults(theirs: dict, ours: dict, defaults: dict) -> list[str]:
@@ -87,12 +89,13 @@ def _differ_from_defaults(theirs: dict, ours: dict, defaults: dict) -> list[str]
   return out
 
 
-def _layers(params: dict, scope: str) -> int:
+def layer_count(params: dict, scope: str) -> int:
+  """The depth of the repeat stack under `scope` (its parameters' first axis), else 0."""
   stacked = [p for path, p in params.items() if path.startswith(scope)]
   return stacked[0].stack[0] if stacked and stacked[0].stack else 0
 
 
-def _scope_nodes(graph, root: str) -> list[Node]:
+def scope_nodes(graph, root: str) -> list[Node]:
   """The nodes under the model's scope, the bodies of repeats included."""
   scope = root.rstrip("/")
   out, todo = [], list(graph.nodes())
@@ -105,7 +108,7 @@ def _scope_nodes(graph, root: str) -> list[Node]:
   return out
 
 
-def _literal(node: Node, scope_end: str, op: str, default: float) -> float:
+def scope_literal(node: Node, scope_end: str, op: str, default: float) -> float:
   """The float operand of an `op` node in a scope ending `scope_end` (a norm's epsilon)."""
   if node.op == op and node.scope.endswith(scope_end):
     lits = [i for i in node.inputs if isinstance(i, float)]
@@ -127,14 +130,14 @@ def rotary(graph, root: str, layers: int, width: int, kind: str,
   """
   context = half = base = None
   eps = 1e-6
-  for node in _scope_nodes(graph, root):
+  for node in scope_nodes(graph, root):
     if node.op == "cos" and "/rope" in node.scope and context is None and len(node.shape) == 2:
       context, half = node.shape
     if (node.op == "*" and "/rope" in node.scope and base is None and len(node.shape) == 1
         and any(isinstance(i, float) and i < 0 for i in node.inputs)):
       lit = next(i for i in node.inputs if isinstance(i, float))
       base = float(f"{math.exp(-lit * node.shape[0]):.10g}")
-    eps = _literal(node, "/norm", "+", eps)
+    eps = scope_literal(node, "/norm", "+", eps)
   if context is None or base is None:
     if layers:
       raise SxError("E-EXPORT-001", f"the {kind} model's rotary table cannot be read from "

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from sexpgpu.models.twin_base import (Tensor, Twin, _differ, _layers,
-                                      _literal, _scope_nodes, llama_shaped_problems, rotary,
+from sexpgpu.models.twin_base import (Tensor, Twin, config_differences, layer_count,
+                                      scope_literal, scope_nodes, llama_shaped_problems, rotary,
                                       LLAMA_ATTENTION)
 
 FIX = ("build the model with (mixtral tokens ...) from (require std/mixtral) or (mamba tokens "
@@ -36,7 +36,7 @@ MIXTRAL_EXPERTS = {"block_sparse_moe/experts/w1": "w1", "block_sparse_moe/expert
 def mixtral(root: str, params: dict, graph) -> Twin:
   """The `MixtralForCausalLM` twin of a std/mixtral model rooted at `root`."""
   vocab, width = params[root + "embed_tokens"].full_shape
-  layers = _layers(params, root + MIXTRAL_SCOPE)
+  layers = layer_count(params, root + MIXTRAL_SCOPE)
 
   def full(rel: str) -> tuple[int, ...]:
     p = params.get(root + MIXTRAL_SCOPE + rel)
@@ -46,10 +46,10 @@ def mixtral(root: str, params: dict, graph) -> Twin:
   kv_width = (full("self_attn/k_proj/w") + (0, 0, width))[2]
   context, half, base, eps = rotary(graph, root, layers, width, "mixtral", FIX)
   top_k, aux = 2, 0.001  # the twin's defaults, when the graph does not say
-  for node in _scope_nodes(graph, root):
+  for node in scope_nodes(graph, root):
     if node.op in ("top-k", "top-k-indices") and "/block_sparse_moe" in node.scope:
       top_k = int(node.attr("k"))
-    aux = _literal(node, "/mixtral-balance", "*", aux)
+    aux = scope_literal(node, "/mixtral-balance", "*", aux)
   dh = 2 * half
   heads, kv = width // dh, kv_width // dh
   d, v, i, k = width, vocab, hidden, kv * dh
@@ -111,7 +111,7 @@ MAMBA_BLOCK = {  # .sx path → (the twin's name, transposed)
 def mamba(root: str, params: dict, graph) -> Twin:
   """The `MambaForCausalLM` twin of a std/mamba model rooted at `root`."""
   vocab, width = params[root + "embeddings"].full_shape
-  layers = _layers(params, root + MAMBA_SCOPE)
+  layers = layer_count(params, root + MAMBA_SCOPE)
 
   def one(rel: str, fallback: tuple[int, ...]) -> tuple[int, ...]:
     p = params.get(root + MAMBA_SCOPE + rel)
@@ -121,8 +121,8 @@ def mamba(root: str, params: dict, graph) -> Twin:
   kernel = one("mixer/conv1d/w", (4, 1, e))[0]
   r = one("mixer/dt_proj/w", (max(1, -(-width // 16)), e))[0]
   eps = 1e-5
-  for node in _scope_nodes(graph, root):
-    eps = _literal(node, "/norm_f", "+", eps)
+  for node in scope_nodes(graph, root):
+    eps = scope_literal(node, "/norm_f", "+", eps)
   d = width
   block = {"norm/scale": (d,), "mixer/in_proj/w": (d, 2 * e), "mixer/conv1d/w": (kernel, 1, e),
            "mixer/conv1d/b": (e,), "mixer/x_proj/w": (e, r + 2 * n), "mixer/dt_proj/w": (r, e),
@@ -148,7 +148,7 @@ def mamba(root: str, params: dict, graph) -> Twin:
 def mamba_config_problems(t: Twin, theirs: dict) -> list[str]:
   """What of a Mamba config.json differs from the model here."""
   ours = t.config
-  out = _differ(theirs, ours, ("model_type", "vocab_size", "hidden_size", "state_size",
+  out = config_differences(theirs, ours, ("model_type", "vocab_size", "hidden_size", "state_size",
                                "num_hidden_layers", "conv_kernel", "intermediate_size",
                                "time_step_rank"))
   eps = float(theirs.get("layer_norm_epsilon", 1e-5))
