@@ -19,7 +19,8 @@ from sexpgpu.ir.graph import Init
 # reaches optax.
 
 
-def _range_text(integer: bool, lo, hi, lo_open: bool, hi_open: bool) -> str:
+def range_text(integer: bool, lo, hi, lo_open: bool, hi_open: bool) -> str:
+  """A range as the errors and the reference say it: "an integer from 1 to 64", ..."""
   kind = "an integer" if integer else "a number"
   top = "3.4e38 (float32's largest)" if hi == F32_MAX else str(hi)
   if lo_open or hi_open:
@@ -85,7 +86,7 @@ def check_options(call: Call, kw: dict) -> None:
           and (not integer or float(value).is_integer()))
     if not ok:
       raise SxError("E-RUN-002", f"{call.name} :{key} is {_shown(value)}; it must be "
-                    + _range_text(integer, lo, hi, lo_open, hi_open), location=loc,
+                    + range_text(integer, lo, hi, lo_open, hi_open), location=loc,
                     fix=f":{key} {spec.example}")
     if integer:
       kw[key] = int(value)

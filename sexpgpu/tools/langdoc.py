@@ -301,7 +301,7 @@ def _choices(keyword: str) -> str:
 def _optimizers(code_optimizers, code_schedules, builtins) -> list[str]:
   """The optimizer section: each optimizer and schedule with its keywords and defaults, and
   what each keyword takes, from front/optimizers.py's tables."""
-  from sexpgpu.front.options import _range_text
+  from sexpgpu.front.options import range_text
   out = ["Each is an optax chain, declared once in `sexpgpu/front/optimizers.py`: `:clip` "
          "clips the gradients' global norm first; `:weight-decay` reaches the parameters "
          "whose role decays (matrices; norms, biases and embeddings are spared, "
@@ -326,7 +326,7 @@ def _optimizers(code_optimizers, code_schedules, builtins) -> list[str]:
     takes = {"rate": "a number from 0, or a schedule", "bool": "true or false",
              "patterns": "a vector of glob patterns, such as " + spec.example,
              "choice": "one of " + ", ".join(f'"{c}"' for c in spec.choices)}.get(
-                 spec.kind) or _range_text(spec.kind == "integer", spec.lo, spec.hi,
+                 spec.kind) or range_text(spec.kind == "integer", spec.lo, spec.hi,
                                            spec.lo_open, spec.hi_open)
     rows.append((f"`:{k}`", takes, spec.doc))
   return out + _table(("keyword", "takes", "meaning"), rows)
