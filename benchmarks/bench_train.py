@@ -57,7 +57,7 @@ DEFAULT_STEPS = {"tiny": 1500, "compute": 10}
 # to outlast this machine's slow spells; so tiny legs warm up for 300 steps and time 1500.
 DEFAULT_WARMUP = {"tiny": 300, "compute": 3}
 LEGS = ("sexpgpu", "jax", "jax-kept", "jax-bare", "torch", "torch-bare")
-# The goals (shared/spec/35-loop.md), against the plain loops that skip the gradient norm
+# The goals, against the plain loops that skip the gradient norm
 # and the NaN guard, on the loop's period: what a user waits for a step, host work included.
 TARGETS = {"jax-bare": {"tiny": 1.0, "compute": 1.05}, "torch-bare": {"tiny": 4.0, "compute": 1.0}}
 PRE = "lm/transformer-lm/"

@@ -1,8 +1,8 @@
 """The error catalogue: every code a user can meet, its title and its default fix.
 
 `SxError` refuses a code that is not here and, when a raise gives no fix,
-takes the fix from here. Titles are those of `../shared/spec/60-errors.md`
-and, for E-DP, the seed's Devices page (tests/test_catalogue.py holds both).
+takes the fix from here. Every code has a test that provokes it (tests/test_catalogue.py
+checks that each is raised somewhere and each raise's fix is its own).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ _ENTRIES = (
           "lower :batch or the sequence length, use more :microbatches, or a larger card"),
     Entry("E-MEM-002", "a GPU reports no memory statistics, so the plan has nothing to plan "
           "against", "set SEXPGPU_MEMORY to what the run may use of one GPU"),
-    # several GPUs and nodes: the seed's Devices page, word for word
+    # several GPUs and nodes
     Entry("E-DP-001",
           "SEXPGPU_DEVICES does not parse, repeats an ordinal, names one that is not visible, "
           "or no GPU is visible",
@@ -170,11 +170,11 @@ _ENTRIES = (
           "Python an experiment requires, not run without --trust-python (every file that "
           "would run listed with its sha256)",
           "read the files, then pass --trust-python or set SEXPGPU_TRUST_PYTHON=1"),
-    # models in and out (55-models.md)
+    # models in and out
     Entry("E-SAMPLE-001",
           "`sample` cannot tell which function maps tokens to logits (the candidates listed)",
           "pass --fn NAME, a function of the tokens that returns logits [b t vocab]"),
-    # downstream evaluation (57-research-loop.md)
+    # downstream evaluation
     Entry("E-EVAL-001",
           "a task file that cannot be read or does not parse (the file and line), or holds "
           "no document",
@@ -193,7 +193,7 @@ _ENTRIES = (
           "a model with parameters that have no place in the chosen format's twin (naming them)",
           "build the model from std/gpt2, std/llama, std/mixtral or std/mamba, or export with "
           "--format safetensors"),
-    # training recipes (57-research-loop.md): parameter roles
+    # training recipes: parameter roles
     Entry("E-ROLE-001",
           "a parameter whose role something needs (its weight decay) and whose uses in the "
           "graph do not decide it (the roles they imply named)",

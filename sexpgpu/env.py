@@ -3,8 +3,7 @@
 Each variable is read with `get` (unset and blank are the same) and parsed by one
 function here; integers are decimal and bounded (`count`), seconds are positive and
 finite (`seconds`). A value that does not parse is an `SxError` naming the variable:
-E-DP-001 for SEXPGPU_DEVICES, E-DP-005 for the node variables (as the seed's Devices page
-says), E-DEV-001 for a device that is neither cpu nor cuda, E-METRICS-001 for a metrics
+E-DP-001 for SEXPGPU_DEVICES, E-DP-005 for the node variables, E-DEV-001 for a device that is neither cpu nor cuda, E-METRICS-001 for a metrics
 target, E-ENV-001 for the others. `run`, `check` and `doctor` say the same for one value.
 
 Nothing here imports JAX: `jax.distributed.initialize` and the host-device count are set

@@ -1,7 +1,7 @@
 """A sharded state written by every process for the shards it holds, read into any sharding.
 
 orbax writes a multi-process state only into a folder that every process sees, and no
-array data at all to `s3://` (70-library-notes.md). So a state sharded over several
+array data at all to `s3://` (measured with orbax-checkpoint 0.12.8). So a state sharded over several
 processes (`:sharding fsdp|hsdp` over nodes) is written here with tensorstore, the
 library orbax itself writes with: one zarr array per leaf under `state/`, its chunk the
 saved sharding's shard, so each shard is one file that exactly one process writes.

@@ -7,13 +7,13 @@ from typing import Callable
 
 from absl import flags
 
-# Each flag that is an alias of an environment variable (the seed's page `run`).
+# Each flag that is an alias of an environment variable.
 FLAG_VARIABLES = {
     "device": "SEXPGPU_DEVICE", "metrics": "SEXPGPU_METRICS", "status": "SEXPGPU_STATUS",
     "checkpoint_dir": "SEXPGPU_CHECKPOINT_DIR", "resume": "SEXPGPU_RESUME",
     "trust_python": "SEXPGPU_TRUST_PYTHON",
 }
-# The variables without a flag, listed under `run --help` (30-run.md, "Environment").
+# The variables without a flag, listed under `run --help`.
 OTHER_VARIABLES = [
     ("SEXPGPU_RUN_SLUG", "replaces the file's stem in the run slug"),
     ("SEXPGPU_DEVICES", "data-parallel CUDA ordinals, such as 0,1"),

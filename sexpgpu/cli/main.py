@@ -96,7 +96,7 @@ def _parse(fv: flags.FlagValues, argv: list[str], command: str) -> list[str]:
     _help.Help: the help was asked for (the CLI prints it and exits 0).
     SxError: E-FORM-001 for a flag that does not parse.
   """
-  # absl spells multi-word flags with underscores; accept the seed's dashes too.
+  # absl spells multi-word flags with underscores; accept the documented dashes too.
   norm = []
   for a in argv:
     if a == "--":

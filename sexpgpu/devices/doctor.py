@@ -382,7 +382,7 @@ def _load(stem: str):
 
 def check_cudnn(device: str) -> Check:
   lib, path = _load("libcudnn")
-  if lib is None:  # optional, as the seed says: never a fail
+  if lib is None:  # optional: never a fail
     return Check("warn", "cudnn", "cuDNN not loadable; attention and products run the ordinary "
                  "lowering")
   try:

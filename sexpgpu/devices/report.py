@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
-LABEL = 26  # the seed's column: `  memory                    2.7 GiB of 78.8 GiB free`
+LABEL = 26  # the report's column: `  memory                    2.7 GiB of 78.8 GiB free`
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?(\w+)\[")
 _DOT = re.compile(r"\bdot\(([^)]*)\)")
 _GEMM = re.compile(r"\bcustom-call\(([^)]*)\).*custom_call_target=\"__cublas\$(?:lt\$)?"
@@ -77,7 +77,7 @@ def _products(c: dict) -> str:
 
 def lowering_report(device, patterns_on: bool, regions, compiled_train, memory_plan,
                     stacking_text: str | None) -> list[str]:
-  """The lowering report's lines, as 40-devices.md shows them.
+  """The lowering report's lines, as `sexpgpu check --target cuda` prints them.
 
   Args:
     device: the jax Device the run executes on.

@@ -22,7 +22,7 @@ RUN_KNOBS: dict[str, Any] = {
     "steps": None, "microbatches": 1, "seed": 0, "precision": Symbol("f32"),
     "checkpoint-every": 0, "keep": 3, "on-nan": Symbol("stop"),
     "sharding": Symbol("replicate"),
-    # a warm start (55-models.md): a checkpoint, a .safetensors file or hf:DIR
+    # a warm start: a checkpoint, a .safetensors file or hf:DIR
     "init-from": "", "init-partial": False,
 }
 # Integer knobs other than the seed reach the step as int32 (sizes, counts, steps).
@@ -112,7 +112,7 @@ def parse_as(text: str, like: Any, name: str, where: str) -> Any:
                     where=where, fix=f"give {name} a finite value, like {format_value(like)}")
     return value
   if isinstance(like, Symbol):
-    if name == "sharding" and is_mesh(text):  # a mesh, `fsdp:2,tensor:2` (47-layouts.md)
+    if name == "sharding" and is_mesh(text):  # a mesh, `fsdp:2,tensor:2`
       parse_mesh(text, where=where)
       return Symbol(text)
     if re.fullmatch(r"[A-Za-z_+*/<>=!?.%-][A-Za-z0-9_+*/<>=!?.%-]*", text):

@@ -1,7 +1,7 @@
 """Before the first initializer: compile every step abstractly, plan memory, choose stacking.
 
 Stacking (how many microbatches one call of the training graph runs) is chosen
-here and nowhere else: the rules of the seed's Devices page (`choose_stacking`),
+here and nowhere else: the stacking rules (`choose_stacking`),
 the cost model they consult (`cost_model`, with the device's rates measured once
 per device kind and remembered), the choices remembered in `choices.json`, and
 the measurement of close degrees at the first step (`measure`).
@@ -133,7 +133,7 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
     return best, "model", f"{best}: the cost model, within 5% but {why_not} ({listing})"
   if not measured or any(d not in measured for d in close):
     return best, "measure", f"{best}: to be measured at the first step ({listing})"
-  won = min(close, key=lambda d: (measured[d], -d))  # the fastest, as the seed's example
+  won = min(close, key=lambda d: (measured[d], -d))  # the fastest measured
   detail = "; ".join(f"{d} {_ms(measured[d])}, model {_ms(preds[d])}" for d in close)
   return won, "measured", (f"{won}: measured at the first step, the model within 5% could not "
                            f"separate them ({detail})")
