@@ -3,10 +3,13 @@
 The function's positional parameters are its tensors; its keyword-only
 parameters, annotated `int`, `float`, `bool` or `str`, are static attributes
 the `.sx` call passes by keyword. The op joins every table an op of the
-table's own has: its shape comes from `jax.eval_shape` of the function, its
-gradient from JAX, its lowering on every platform is the function itself, its
-FLOPs come from XLA's cost analysis of it, and decoding passes positions
-through it only when it is declared `pointwise=True`.
+table's own has, through the same declaration: its shape comes from
+`jax.eval_shape` of the function, its gradient from JAX, its lowering on every
+platform is the function itself, its FLOPs come from XLA's cost analysis of it,
+and every other table (the backward's cost and saved inputs, decoding, splits)
+gives it its kind's rule (`kind="pointwise"`: decoding and tensor parallel pass
+through it; the default, "opaque", passes neither). A kind some table has no
+rule for is refused at the declaration, E-OP-003.
 """
 
 from __future__ import annotations
@@ -14,16 +17,18 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 from typing import Any, Callable
 
 from sexpgpu.errors import SxError
 from sexpgpu.front import pyops
 from sexpgpu.front.build import SPECIAL_FORMS
-from sexpgpu.ir.opdef import OPS, REQUIRED, Attr, OpDef
+from sexpgpu.ir.opdef import KINDS, OPS, REQUIRED, TABLES, Attr, OpDef
 from sexpgpu.ir.shapes import infer
+# the tables a user op joins (split; FLOPs, the backward's cost and saved inputs; decode)
+from sexpgpu.lower import layouts  # noqa: F401
 from sexpgpu.lower.flops import FLOPS
-from sexpgpu.lower.layouts import SPLIT
-from sexpgpu.models.decode_rules import DECODE, register_pointwise
+from sexpgpu.models import decode_rules  # noqa: F401
 from sexpgpu.reader import Atom, Symbol, read_text
 
 _TYPES = {int: "int", float: "float", bool: "bool", str: "str",
@@ -34,24 +39,28 @@ class OpDeclarationError(ValueError):
   """An `@sexpgpu.op` the table cannot take (the message says why)."""
 
 
-def op(name: str, doc: str = "", pointwise: bool = False) -> Callable:
+def op(name: str, doc: str = "", pointwise: bool = False, kind: str | None = None) -> Callable:
   """Declares the decorated JAX function as op `name` of the `.sx` language.
 
   Args:
     name: the op's name in `.sx` (`my-mixer`).
     doc: one line for `check` and the reference.
-    pointwise: each output position depends only on the same position of the inputs,
-      so incremental decoding passes through it.
+    pointwise: the same as kind="pointwise".
+    kind: what the op is (ir/opdef.py's KINDS); every table gives it that kind's rule.
+      "pointwise" (each output element depends only on the same element of the inputs)
+      lets decoding and tensor parallel pass through it; the default, "opaque", neither.
 
   Returns:
     A decorator that registers the function and returns it unchanged.
 
   Raises:
     OpDeclarationError: the name is not one `.sx` symbol (empty, a number, spaces, a
-      special form), is an op of the table's own, or the signature has a parameter that is
-      neither a tensor nor an annotated keyword.
+      special form), is an op of the table's own, the kind is unknown, or the signature
+      has a parameter that is neither a tensor nor an annotated keyword.
+    SxError: E-OP-003 when a table has no rule for the op's kind.
   """
   _check_name(name)
+  kind = _kind(name, pointwise, kind)
 
   def deco(fn: Callable) -> Callable:
     source = inspect.getsourcefile(fn) or "<python>"
@@ -61,6 +70,7 @@ def op(name: str, doc: str = "", pointwise: bool = False) -> Callable:
     # An op of the same name from another file (another experiment in this process, a
     # copy of the file) is replaced: the latest experiment compiled is the one lowered.
     inputs, attrs = _signature(name, fn)
+    _check_rules(name, kind, fn)
 
     def rule(ctx, *xs, **kw):
       try:
@@ -70,20 +80,43 @@ def op(name: str, doc: str = "", pointwise: bool = False) -> Callable:
           raise
         raise pyops.as_error(e) from None
 
+    for table in TABLES:  # a declaration replaces the last one's entries
+      table.forget(name)
     OPS[name] = OpDef(name, rule, inputs, attrs, doc or (fn.__doc__ or name).strip().split("\n")[0],
-                      source=source, pointwise=pointwise)
+                      source=source, kind=kind)
     infer.cache_clear()  # a redefinition (the same file read again) may change shapes
-    FLOPS[name] = functools.partial(_cost_flops, name)
-    # no split rule: tensor parallel's pairs end before it (as at a table op without one)
-    SPLIT[name] = f"an op written in Python ({source}): no split rule"
-    if pointwise:
-      register_pointwise(name)
-    else:
-      DECODE[name] = (f"is an op written in Python ({source}) that is not declared "
-                      "pointwise=True: no incremental rule")
+    FLOPS.register(functools.partial(cost_flops, name), name)  # every other table: its kind's
     return fn
 
   return deco
+
+
+def _kind(name: str, pointwise: bool, kind: str | None) -> str:
+  if kind is None:
+    return "pointwise" if pointwise else "opaque"
+  if kind not in KINDS:
+    raise OpDeclarationError(f"{name}: no kind {kind!r}; the kinds: {', '.join(KINDS)}")
+  if pointwise and kind != "pointwise":
+    raise OpDeclarationError(f"{name}: pointwise=True and kind={kind!r} disagree; give one")
+  return kind
+
+
+def _check_rules(name: str, kind: str, fn: Callable) -> None:
+  """Refuses a kind that some table (other than FLOPs, which XLA counts) has no rule for."""
+  missing = [t for t in TABLES if t.complete and t is not FLOPS and t.default(kind) is None]
+  if not missing:
+    return
+  fits = [k for k in KINDS if k not in ("constant", "random")  # a user op takes tensors
+          and all(t.default(k) is not None for t in TABLES if t.complete and t is not FLOPS)]
+  code = getattr(fn, "__code__", None)
+  where = (f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code is not None
+           else name)
+  raise SxError("E-OP-003", f"op `{name}` is declared kind={kind!r}, which has no rule in "
+                + ", ".join(f"the {t.what} table ({t.where})" for t in missing)
+                + "; an op written in Python takes its kind's rules", where=where,
+                fix=f"declare @sexpgpu.op({name!r}, kind=K) with K one of {', '.join(fits)} "
+                "(opaque when it mixes positions), or add the op to sexpgpu's own table with "
+                "a rule in each")
 
 
 def _check_name(name: Any) -> None:
@@ -139,7 +172,13 @@ def _flops_of(name: str, attrs: tuple, shapes: tuple) -> int:
   return int(flops) if math.isfinite(flops) and flops > 0 else 0
 
 
-def _cost_flops(name: str, node: Any) -> int:
+def cost_flops(name: str, node: Any) -> int:
+  """The FLOPs of a node of op `name` (written in Python), as XLA's cost analysis counts
+  its function traced at the node's shapes (an op's FLOPs entry).
+
+  Raises:
+    SxError: E-OP-001 at the node's call when the function fails to trace.
+  """
   shapes = tuple((i.dtype, tuple(i.shape)) if hasattr(i, "shape") else ("f32", ())
                  for i in node.inputs)
   try:

@@ -118,34 +118,24 @@ def _nary(op: str):
 for _op in ("+", "-", "*", "/", "pow", "max", "min", "<", "<=", ">", ">=", "=", "!="):
   BUILTINS[_op] = Builtin(_op, _nary(_op))
 
-_STATIC_UNARY = {"neg": operator.neg, "abs": abs, "exp": math.exp, "log": math.log,
-                 "sqrt": math.sqrt, "rsqrt": lambda x: 1.0 / math.sqrt(x),
-                 "square": lambda x: x * x, "tanh": math.tanh, "cos": math.cos, "sin": math.sin,
-                 "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)), "relu": lambda x: max(x, 0)}
+# The static folds of the older unary ops, in the one table every declared op folds through
+# (front/declared.py's STATIC): (exp 1.0) is a number. Every unary op is read from its
+# declaration there; nothing here lists the pointwise ops.
+declared.STATIC.update({
+    "neg": operator.neg, "abs": abs, "exp": math.exp, "log": math.log, "sqrt": math.sqrt,
+    "rsqrt": lambda x: 1.0 / math.sqrt(x), "square": lambda x: x * x, "tanh": math.tanh,
+    "cos": math.cos, "sin": math.sin, "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
+    "relu": lambda x: max(x, 0)})
 
 
-def _unary(op: str):
-  def fn(b: Builder, call: Call):
-    if op == "rsqrt" and not call.args and "peak" in call.kw:
-      return _schedule("rsqrt", ("peak", "warmup"))(b, call)
-    _kw(call, ())
-    _arity(call, 1, 1, f"({op} X)")
-    x = call.args[0]
-    if _static_number(x) and op in _STATIC_UNARY:
-      try:
-        return _STATIC_UNARY[op](x)
-      except (ValueError, OverflowError) as e:
-        raise SxError("E-TYPE-001", f"{op} of {x}: {e}", location=call.loc,
-                      fix="check the static value") from None
-    _tensor(b, call, 0)
-    return b.op(op, [x], {}, call)
-  return fn
+def _rsqrt(b: Builder, call: Call):
+  """`(rsqrt X)` the op, `(rsqrt :peak P :warmup W)` the schedule."""
+  if not call.args and "peak" in call.kw:
+    return _schedule("rsqrt", ("peak", "warmup"))(b, call)
+  return declared.builtins_for(["rsqrt"])["rsqrt"].fn(b, call)
 
 
-for _op in ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "square", "tanh", "cos", "sin",
-            "sigmoid", "relu",
-            "gelu", "silu"):
-  BUILTINS[_op] = Builtin(_op, _unary(_op))
+BUILTINS["rsqrt"] = Builtin("rsqrt", _rsqrt)
 
 
 @builtin("where")

@@ -35,7 +35,7 @@ from sexpgpu.ir.opdef import OPS
 
 _FIX = "fix the file (SEXPGPU_DEBUG=1 prints the whole traceback)"
 
-# What Python an experiment may run (the CLI chooses; see README, "Python in an experiment").
+# What Python an experiment may run (the CLI chooses; see docs/guide.md, "Python in an experiment").
 ALL = "all"  # --trust-python or SEXPGPU_TRUST_PYTHON=1: every file it requires
 OWN = "own-folder"  # `run FILE.sx`: the files inside FILE's own folder
 NONE = "none"  # `check`, `bundle`, a bundle's run: none
@@ -232,7 +232,10 @@ def load(display: str, path: str, text: str, loc: Loc) -> dict[str, Builtin]:
   try:
     code = compile(text, path, "exec")
     exec(code, module.__dict__)  # noqa: S102 (the user's own file, as `import` would run it)
-  except SxError:
+  except SxError as e:
+    if e.location is None:  # a declaration refused (E-OP-003): placed at the require too
+      e.location = loc
+      raise e.with_note("declared at", e.where or display) from None
     raise
   except BaseException as e:  # noqa: BLE001 (whatever the user's file raises or exits with)
     if is_stop(e):

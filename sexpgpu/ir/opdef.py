@@ -10,7 +10,8 @@ abstractly (`ir.shapes`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import MutableMapping
+from typing import Any, Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -115,8 +116,8 @@ class OpDef:
       `(op TENSORS... :attr value ...)` (for ops whose front end reads more).
     random: draws from the run's key (a site number attribute keeps draws apart).
     source: the Python file of an op a user wrote (`@sexpgpu.op`), None for the table's own.
-    pointwise: each output position depends only on the same position of the inputs
-      (a user op's declaration; decoding passes positions through it).
+    kind: one of KINDS; every interpretation's table takes its default rule for the op
+      from it, and registers only the ops that are its exceptions.
   """
 
   name: str
@@ -127,7 +128,16 @@ class OpDef:
   written: str | None = None
   random: bool = False
   source: str | None = None
-  pointwise: bool = False
+  kind: str = "opaque"
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"op {self.name}: no kind {self.kind!r}; the kinds: {' '.join(KINDS)}")
+
+  @property
+  def pointwise(self) -> bool:
+    """Each output element depends only on the same element of the inputs."""
+    return self.kind == "pointwise"
 
   @property
   def min_inputs(self) -> int:
@@ -176,19 +186,124 @@ def _written(v: Any) -> str:
 
 OPS: dict[str, OpDef] = {}
 
+# What an op is, as far as the interpretations care: each table (FLOPs, the backward's cost
+# and what it saves, decoding, splits, lowering) gives a kind its default rule.
+KINDS = {
+    "pointwise": "each output element depends only on the same element of its inputs",
+    "reduction": "reduces its input over axes",
+    "along": "works along one axis, the other axes' positions apart (a softmax, a running "
+             "total, a sort)",
+    "movement": "moves, copies or selects values and computes none (shapes, gathers, triangles)",
+    "product": "sums products of its inputs (matmul, einsum, attention, convolution)",
+    "loss": "reduces logits and targets to one number",
+    "mask": "fills positions of scores by where they lie",
+    "window": "reduces windows of the spatial axes (pooling)",
+    "function": "applies a function of the IR along an axis (a scan)",
+    "random": "draws values from the run's key, from no tensor input",
+    "constant": "makes values from no input",
+    "opaque": "an op written in Python whose positions the compiler cannot see into",
+}
+
+# The graph's leaves, and a part of a tuple value: nodes that compute nothing themselves
+# (no op of the table; a scan's part is counted by its scan).
+ARGUMENTS = ("input", "param", "carry")
+LEAVES = ARGUMENTS + ("part",)
+
 
 def register(name: str, inputs: tuple[str, ...], doc: str, attrs: tuple[Attr, ...] = (),
-             written: str | None = None, random: bool = False):
-  """Declares op `name` with the decorated function as its reference rule.
+             written: str | None = None, random: bool = False, *, kind: str):
+  """Declares op `name`, of `kind` (one of KINDS), with the decorated function as its
+  reference rule.
 
   Raises:
-    ValueError: the name is declared twice.
+    ValueError: the name is declared twice, or the kind is none of KINDS.
   """
 
   def deco(fn):
     if name in OPS:
       raise ValueError(f"op {name} registered twice")
-    OPS[name] = OpDef(name, fn, tuple(inputs), tuple(attrs), doc, written, random)
+    OPS[name] = OpDef(name, fn, tuple(inputs), tuple(attrs), doc, written, random, kind=kind)
     return fn
 
   return deco
+
+
+TABLES: list["OpTable"] = []  # every interpretation's table, in the order they were made
+
+
+class OpTable(MutableMapping):
+  """One interpretation of the ops: op name → rule, or the reason the op has none.
+
+  An op's rule is its own entry when it has one (an exception, registered), else its
+  kind's default; a kind with no default makes each of its ops register one. The one
+  registration helper of every table (FLOPs, the backward's cost and saved inputs, decode,
+  split, lowering), as JAX's `mlir.register_lowering` is for lowerings.
+  """
+
+  def __init__(self, what: str, where: str, defaults: dict | None = None,
+               complete: bool = True):
+    """`what` names the table in messages, `where` its module; `defaults`: kind → rule;
+    `complete`: every op must have an entry (else the table names only the ops a pass
+    looks for, as the views a memory estimate sees through)."""
+    for kind in defaults or {}:
+      if kind not in KINDS:
+        raise ValueError(f"{what}: no kind {kind!r}")
+    self.what, self.where, self.own, self.defaults = what, where, {}, dict(defaults or {})
+    self.complete = complete
+    TABLES.append(self)
+
+  def register(self, rule: Any, *ops: str) -> Any:
+    """Registers `rule` (or the reason there is none) as the entry of `ops`.
+
+    Raises:
+      ValueError: an op already has an entry of its own.
+    """
+    for op in ops:
+      if op in self.own:
+        raise ValueError(f"op {op} has a {self.what} rule already")
+      self.own[op] = rule
+    return rule
+
+  def register_kind(self, rule: Any, *kinds: str) -> Any:
+    """Registers `rule` as the default of every op of `kinds` that registers none.
+
+    Raises:
+      ValueError: a kind is none of KINDS, or already has a default.
+    """
+    for kind in kinds:
+      if kind not in KINDS or kind in self.defaults:
+        raise ValueError(f"{self.what}: kind {kind!r} is unknown or has a default already")
+      self.defaults[kind] = rule
+    return rule
+
+  def default(self, kind: str) -> Any:
+    """The rule of `kind`'s ops that register none, or None."""
+    return self.defaults.get(kind)
+
+  def forget(self, op: str) -> None:
+    """Drops `op`'s own entry (an op written in Python, declared again)."""
+    self.own.pop(op, None)
+
+  def __getitem__(self, op: str) -> Any:
+    if op in self.own:
+      return self.own[op]
+    d = OPS.get(op)
+    if d is not None and d.kind in self.defaults:
+      return self.defaults[d.kind]
+    raise KeyError(op)
+
+  def __setitem__(self, op: str, rule: Any) -> None:
+    self.own[op] = rule
+
+  def __delitem__(self, op: str) -> None:
+    del self.own[op]
+
+  def __iter__(self) -> Iterator[str]:
+    yield from list(self.own)
+    yield from [n for n, d in OPS.items() if n not in self.own and d.kind in self.defaults]
+
+  def __len__(self) -> int:
+    return sum(1 for _ in self)
+
+  def __repr__(self) -> str:
+    return f"OpTable({self.what}: {len(self.own)} own, defaults for {sorted(self.defaults)})"

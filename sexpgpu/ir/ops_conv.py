@@ -52,7 +52,8 @@ def _padding(padding, n: int, window: tuple[int, ...], dilation: tuple[int, ...]
           " c_out]", (Attr("stride", "ints", 1, "steps between windows, a spatial axis"),
                       Attr("padding", "padding", "valid", "how the edges are padded"),
                       Attr("dilation", "ints", 1, "the kernel's spacing, a spatial axis"),
-                      Attr("groups", "int", 1, "channel groups (c_in for a depthwise conv)")))
+                      Attr("groups", "int", 1, "channel groups (c_in for a depthwise conv)")),
+                      kind="product")
 def _conv(ctx, x, w, *, stride, padding, dilation, groups):
   n = _spatial(x)
   if w.ndim != n + 2:
@@ -94,13 +95,13 @@ def _pool(x, window, stride, padding, init, op):
 
 
 @register("max-pool", ("x",), "the maximum of each window of the spatial axes (channels last)",
-          _POOL)
+          _POOL, kind="window")
 def _max_pool(ctx, x, *, window, stride, padding):
   return _pool(x, window, stride, padding, -jnp.inf, jax.lax.max)[0]
 
 
 @register("avg-pool", ("x",), "the mean of each window of the spatial axes (channels last;"
-          " padding counts as zeros)", _POOL)
+          " padding counts as zeros)", _POOL, kind="window")
 def _avg_pool(ctx, x, *, window, stride, padding):
   total, window = _pool(x, window, stride, padding, 0.0, jax.lax.add)
   return total / math.prod(window)

@@ -33,7 +33,8 @@ def _float(dtype: str):
 
 
 @register("bernoulli", (), "true with probability P (bool), each element drawn apart",
-          (_SHAPE, Attr("p", "float", 0.5, "the probability of true"), _SITE), random=True)
+          (_SHAPE, Attr("p", "float", 0.5, "the probability of true"), _SITE), random=True,
+          kind="random")
 def _bernoulli(ctx, *, shape, p, site):
   if not 0.0 <= p <= 1.0:
     raise ValueError(f"p {p} is outside [0, 1]")
@@ -43,7 +44,7 @@ def _bernoulli(ctx, *, shape, p, site):
 @register("random-normal", (), "normal draws of mean MEAN and standard deviation STD",
           (_SHAPE, Attr("mean", "float", 0.0, "the mean"),
            Attr("std", "float", 1.0, "the standard deviation"),
-           Attr("dtype", "dtype", "f32", "a float dtype"), _SITE), random=True)
+           Attr("dtype", "dtype", "f32", "a float dtype"), _SITE), random=True, kind="random")
 def _random_normal(ctx, *, shape, mean, std, dtype, site):
   dt = _float(dtype)
   return (mean + std * jax.random.normal(key(ctx, site), shape, jnp.float32)).astype(dt)
@@ -52,7 +53,7 @@ def _random_normal(ctx, *, shape, mean, std, dtype, site):
 @register("random-uniform", (), "uniform draws in [LOW, HIGH)",
           (_SHAPE, Attr("low", "float", 0.0, "the lower end"),
            Attr("high", "float", 1.0, "the upper end (left out)"),
-           Attr("dtype", "dtype", "f32", "a float dtype"), _SITE), random=True)
+           Attr("dtype", "dtype", "f32", "a float dtype"), _SITE), random=True, kind="random")
 def _random_uniform(ctx, *, shape, low, high, dtype, site):
   if not low < high:
     raise ValueError(f"low {low} must be below high {high}")
@@ -61,7 +62,8 @@ def _random_uniform(ctx, *, shape, low, high, dtype, site):
 
 @register("random-int", (), "int32 draws in [LOW, HIGH), each value equally likely",
           (_SHAPE, Attr("low", "int", 0, "the smallest value"),
-           Attr("high", "int", REQUIRED, "one past the largest"), _SITE), random=True)
+           Attr("high", "int", REQUIRED, "one past the largest"), _SITE), random=True,
+           kind="random")
 def _random_int(ctx, *, shape, low, high, site):
   if not low < high:
     raise ValueError(f"low {low} must be below high {high}")
@@ -69,7 +71,8 @@ def _random_int(ctx, *, shape, low, high, site):
 
 
 @register("random-permutation", (), "a random order of 0 .. N-1 (int32)",
-          (Attr("n", "int", REQUIRED, "how many", positional=True), _SITE), random=True)
+          (Attr("n", "int", REQUIRED, "how many", positional=True), _SITE), random=True,
+          kind="random")
 def _random_permutation(ctx, *, n, site):
   if n < 1:
     raise ValueError(f"n {n} must be at least 1")

@@ -30,7 +30,7 @@ _INTERNAL = (Attr("carries", "int", internal=True), Attr("operands", "int", inte
           " [carry y], the carry starting at INIT (a tensor or a vector of them) and keeping"
           " its type; returns [the last carry, the y's stacked at the axis]; F's parameters"
           " are shared by every position (an RNN cell)", (_AXIS, _REVERSE) + _INTERNAL,
-          written="(scan F INIT XS :axis 0 :reverse false) → [carry ys]")
+          written="(scan F INIT XS :axis 0 :reverse false) → [carry ys]", kind="function")
 def _scan(ctx, *leaves, fn, carries, operands, axis, reverse):
   init, xs = leaves[:carries], leaves[carries:operands]
   moved = tuple(jnp.moveaxis(x, axis, 0) for x in xs)
@@ -49,7 +49,7 @@ def _scan(ctx, *leaves, fn, carries, operands, axis, reverse):
           " of them) along an axis by an associative F, which maps [a b] to one element of"
           " XS's type; parallel in time (gated linear recurrences, Blelloch's scan)",
           (_AXIS, _REVERSE) + _INTERNAL,
-          written="(associative-scan F XS :axis 0 :reverse false)")
+          written="(associative-scan F XS :axis 0 :reverse false)", kind="function")
 def _associative_scan(ctx, *leaves, fn, carries, operands, axis, reverse):
   xs = tuple(leaves[:operands])
   combine = jax.vmap(fn, in_axes=(axis, axis), out_axes=axis)

@@ -21,13 +21,14 @@ def _top_k(x, k):
 
 
 @register("top-k", ("x",), "the K largest values along the last axis, descending; the language"
-          " returns [values indices]", (_K,), written="(top-k X :k K) → [values indices]")
+          " returns [values indices]", (_K,), written="(top-k X :k K) → [values indices]",
+          kind="along")
 def _top_k_values(ctx, x, *, k):
   return _top_k(x, k)[0]
 
 
 @register("top-k-indices", ("x",), "the int32 indices of the K largest along the last axis"
-          " (the second value of `top-k`)", (_K,))
+          " (the second value of `top-k`)", (_K,), kind="along")
 def _top_k_indices(ctx, x, *, k):
   return _top_k(x, k)[1].astype(jnp.int32)
 
@@ -41,7 +42,7 @@ def _integer(idx, what="indices"):
 
 
 @register("take-along", ("x", "indices"), "X gathered along an axis at integer INDICES shaped as"
-          " X except along it (numpy's take_along_axis)", (_AXIS,))
+          " X except along it (numpy's take_along_axis)", (_AXIS,), kind="movement")
 def _take_along(ctx, x, idx, *, axis):
   _integer(idx)
   if idx.ndim != x.ndim:
@@ -50,7 +51,8 @@ def _take_along(ctx, x, idx, *, axis):
 
 
 @register("scatter-add", ("x", "indices", "updates"), "X with the rows of UPDATES added at"
-          " integer INDICES along axis 0 (repeated indices add up; out-of-range ones are dropped)")
+          " integer INDICES along axis 0 (repeated indices add up; out-of-range ones are dropped)",
+          kind="movement")
 def _scatter_add(ctx, x, idx, upd):
   _integer(idx)
   if upd.shape != idx.shape + x.shape[1:]:
@@ -62,13 +64,13 @@ def _scatter_add(ctx, x, idx, upd):
 _DESC = Attr("descending", "bool", False, "largest first")
 
 
-@register("sort", ("x",), "X sorted along an axis", (_AXIS, _DESC))
+@register("sort", ("x",), "X sorted along an axis", (_AXIS, _DESC), kind="along")
 def _sort(ctx, x, *, axis, descending):
   return jnp.sort(x, axis=axis, descending=descending, stable=True)
 
 
 @register("argsort", ("x",), "the int32 indices that sort X along an axis (stable)",
-          (_AXIS, _DESC))
+          (_AXIS, _DESC), kind="along")
 def _argsort(ctx, x, *, axis, descending):
   return jnp.argsort(x, axis=axis, descending=descending, stable=True).astype(jnp.int32)
 
@@ -92,9 +94,9 @@ def _running(fn, identity):
   return rule
 
 
-register("cumsum", ("x",), "running sum along an axis", _RUNNING)(
+register("cumsum", ("x",), "running sum along an axis", _RUNNING, kind="along")(
     _running(jax.lax.cumsum, 0))
-register("cumprod", ("x",), "running product along an axis", _RUNNING)(
+register("cumprod", ("x",), "running product along an axis", _RUNNING, kind="along")(
     _running(jax.lax.cumprod, 1))
 
 
@@ -108,7 +110,7 @@ def _combine(axis):
 @register("linear-recurrence", ("a", "x"), "H with H_t = A_t * H_(t-1) + X_t along an axis"
           " (H before the first is 0), as an associative scan: parallel in time (the gated"
           " linear recurrences of Mamba's selective scan, RG-LRU, S5)",
-          (_AXIS, Attr("reverse", "bool", False, "run from the end of the axis")))
+          (_AXIS, Attr("reverse", "bool", False, "run from the end of the axis")), kind="along")
 def _linear_recurrence(ctx, a, x, *, axis, reverse):
   if a.shape != x.shape:
     raise ValueError(f"A {list(a.shape)} and X {list(x.shape)} must have one shape")

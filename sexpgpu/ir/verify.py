@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from sexpgpu.ir.graph import TUPLE, Fn, Graph, Node, walk
+from sexpgpu.ir.opdef import ARGUMENTS
 from sexpgpu.ir.ops import OPS
 from sexpgpu.ir.shapes import infer, literal_type
-
-LEAVES = ("input", "param", "carry")
 
 
 class IRError(Exception):
@@ -29,7 +28,7 @@ def _verify(roots: list[Node], graph: Graph, seen: set[int]) -> None:
     if node.uid in seen:
       continue
     seen.add(node.uid)
-    if node.op in LEAVES:
+    if node.op in ARGUMENTS:  # a leaf with no inputs (a part is checked against its tuple below)
       if node.inputs:
         raise IRError(f"{node}: a {node.op} has no inputs")
       if node.op == "param":

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable
 
 from sexpgpu.ir.graph import Graph, Node, body_nodes, walk
+from sexpgpu.ir.opdef import KINDS, LEAVES, OPS, OpTable
 from sexpgpu.ir.ops_scan import combines, interleaved
 from sexpgpu.ir.shapes import np_dtype
 
@@ -26,26 +26,30 @@ def _einsum_flops(spec: str, shapes: list[tuple[int, ...]]) -> int:
   return 2 * math.prod(sizes.values()) if sizes else 0
 
 
-# op name → flops(node) of one evaluation, or the reason the op counts none. Every op
-# of the IR has an entry (tests/test_op_table.py); an op with none would drop out of MFU
-# silently. Products count 2 a multiply-add, as the field's MFU does (PaLM's appendix B).
-FLOPS: dict[str, Callable[[Node], int] | str] = {}
+# op name → flops(node) of one evaluation, or the reason the op counts none: an op's own
+# entry, else its kind's (every op has one: tests/test_op_table.py); an op with none would
+# drop out of MFU silently. Products count 2 a multiply-add, as the field's MFU does
+# (PaLM's appendix B); an op written in Python counts what XLA's cost analysis finds.
+MOVES = "moves or makes values, computes none"
 
 
-# the graph's leaves, and a part of a scan's values (a scan counts its own), compute nothing
-LEAVES = ("input", "param", "carry", "part")
+def _per_element(k: int):
+  """k flops an output element (XLA's count of an elementwise op: 1, a transcendental 0)."""
+  return lambda node: k * math.prod(node.shape)
 
 
-def register_flops(rule: Callable[[Node], int] | str, *ops: str) -> None:
-  """Registers `rule(node)` (or a reason for counting none) as the FLOPs of `ops`.
+def _per_input_element(k: int):
+  """k flops an element of the first input (a reduction, a normalization over an axis)."""
+  return lambda node: k * math.prod(node.inputs[0].shape)
 
-  Raises:
-    ValueError: an op already has an entry.
-  """
-  for op in ops:
-    if op in FLOPS:
-      raise ValueError(f"op {op} has a FLOPs rule already")
-    FLOPS[op] = rule
+
+# Elementwise work counts as XLA's cost analysis counts it, so the counted FLOPs of a small
+# model agree with XLA's (products dominate a large one either way).
+FLOPS = OpTable("flops", "sexpgpu/lower/flops.py", {
+    "pointwise": _per_element(1), "mask": _per_element(1), "reduction": _per_input_element(1),
+    "window": _per_input_element(1), "loss": _per_input_element(4), "movement": MOVES,
+    "constant": MOVES, "random": "compares and moves values: no arithmetic"})
+register_flops = FLOPS.register
 
 
 def _matmul(node: Node) -> int:
@@ -116,16 +120,6 @@ def _linear_recurrence(node: Node) -> int:
   return (3 * combines(n) + 2 * interleaved(n)) * per
 
 
-def _per_element(k: int):
-  """k flops an output element (XLA's count of an elementwise op: 1, a transcendental 0)."""
-  return lambda node: k * math.prod(node.shape)
-
-
-def _per_input_element(k: int):
-  """k flops an element of the first input (a reduction, a normalization over an axis)."""
-  return lambda node: k * math.prod(node.inputs[0].shape)
-
-
 register_flops(_matmul, "matmul")
 register_flops(lambda n: _einsum_flops(n.attr("spec"), [i.shape for i in n.inputs]), "einsum")
 register_flops(_sdpa, "sdpa")
@@ -133,28 +127,17 @@ register_flops(_chunked_xent, "chunked-cross-entropy")
 register_flops(_conv, "conv")
 register_flops(_scan, "scan", "associative-scan")
 register_flops(_linear_recurrence, "linear-recurrence")
-# Elementwise work counts as XLA's cost analysis counts it, so the counted FLOPs of a small
-# model agree with XLA's (products dominate a large one either way).
-register_flops(_per_element(1), "+", "-", "*", "/", "pow", "max", "min", "mod", "neg", "abs",
-               "square", "relu", "floor", "ceil", "round", "sign", "isfinite", "logical-not",
-               "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "where", "clip",
-               "causal-mask", "segment-mask", "silu", "scatter-add")
 register_flops(_per_element(2), "softplus", "dropout", "cumsum", "cumprod")
 register_flops(_per_element(8), "gelu")
+register_flops(_per_element(1), "scatter-add")
 register_flops(
     "a transcendental: XLA counts it apart from FLOPs", "exp", "log", "sqrt", "rsqrt", "tanh",
     "cos", "sin", "sigmoid", "erf", "log1p", "expm1")
-register_flops(_per_input_element(1), "sum", "mean", "max-of", "min-of", "argmax",
-               "max-pool", "avg-pool")
 register_flops(_per_input_element(3), "logsumexp")
-register_flops(_per_input_element(4), "softmax", "log-softmax", "cross-entropy")
-register_flops(
-    "compares and moves values: no arithmetic", "top-k", "top-k-indices", "sort", "argsort",
-    "bernoulli", "random-normal", "random-uniform", "random-int", "random-permutation", "cast")
-register_flops(
-    "moves or makes values, computes none", "reshape", "transpose", "concat", "slice", "take",
-    "one-hot", "expand", "squeeze", "broadcast", "tril", "triu", "flip", "tile", "pad",
-    "take-along", "full", "iota", "tap", "stop-gradient")
+register_flops(_per_input_element(4), "softmax", "log-softmax")
+register_flops("compares and moves values: no arithmetic", "top-k", "top-k-indices", "sort",
+               "argsort", "cast")
+register_flops(MOVES, "tap", "stop-gradient")
 
 
 def node_flops(node: Node) -> int:
@@ -189,10 +172,60 @@ def forward_flops(graph: Graph) -> int:
   return _flops(list(graph.outputs.values()))
 
 
-# Products whose backward computes one product of the forward's size for each input that
-# needs a gradient (dA and dB of a matmul; a linear recurrence's dA and dX each scan back
-# through time); attention's backward is twice its forward.
-_PER_INPUT = ("matmul", "conv", "chunked-cross-entropy", "linear-recurrence")
+def _each_input(f: int, flags: list[bool]) -> int:
+  """A product's backward: one product of the forward's size for each input that needs a
+  gradient (dA and dB of a matmul; a linear recurrence's dA and dX each scan back)."""
+  return f * sum(flags)
+
+
+def _once(f: int, flags: list[bool]) -> int:
+  """The backward of elementwise and data-moving work: about the forward's, once."""
+  return f if any(flags) else 0
+
+
+def _twice(f: int, flags: list[bool]) -> int:
+  """Attention's and an einsum's backward: twice the forward."""
+  return 2 * f if any(flags) else 0
+
+
+# op name → backward(forward flops, whether each tensor input needs a gradient) → flops, or
+# the reason no gradient passes the op (none is counted, and none flows past it). A product
+# counts its forward once for each input that needs a gradient, so a new product op is not
+# undercounted; every other kind, its forward once.
+BACKWARD = OpTable("backward FLOPs", "sexpgpu/lower/flops.py",
+                   {k: _each_input if k == "product" else _once for k in KINDS})
+BACKWARD.register(_twice, "sdpa", "einsum")
+BACKWARD.register(_each_input, "linear-recurrence")
+BACKWARD.register("passes no gradient", "stop-gradient")
+
+# op name → which of its inputs the backward reads (kept from the forward for it), or the
+# reason it reads none (a sum, a view, a comparison): run/layout_plan.py counts them as a
+# step's activations. Products, losses, normalizations and nonlinearities read theirs.
+_NONE = "its gradient reads none of its inputs"
+
+
+def _inputs(node: Node) -> tuple:
+  return tuple(node.inputs)
+
+
+SAVES = OpTable("saved inputs", "sexpgpu/lower/flops.py", {
+    "pointwise": _inputs, "product": _inputs, "loss": _inputs, "along": _inputs,
+    "window": _inputs, "function": _inputs, "opaque": _inputs, "reduction": _NONE,
+    "movement": _NONE, "mask": _NONE, "constant": "has no inputs", "random": "has no inputs"})
+SAVES.register(_NONE, "+", "-", "neg", "cast", "where", "dropout", "tap", "stop-gradient",
+               "mod", "floor", "ceil", "round", "sign", "isfinite", "logical-not",
+               "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "cumsum",
+               "argsort", "top-k-indices", "avg-pool")
+SAVES.register(_inputs, "logsumexp", "max-of", "min-of", "take", "take-along")
+SAVES.register(lambda node: tuple(node.inputs[1:2]), "scatter-add")  # its indices
+
+
+def saved_inputs(node: Node) -> tuple:
+  """The inputs of `node` its backward reads (none for a leaf or an op that reads none)."""
+  if node.op in LEAVES or node.op not in SAVES:
+    return ()
+  rule = SAVES[node.op]
+  return () if isinstance(rule, str) else rule(node)
 
 
 def _backward(roots: list[Node], needs: dict[int, bool]) -> int:
@@ -214,19 +247,25 @@ def _backward_nodes(nodes, needs: dict[int, bool]) -> int:
       inner = {body.carry.uid: True}
       total += node.attr("n") * _backward([body.output], inner)
       needs[node.uid] = True
-    elif node.op in ("scan", "associative-scan"):  # its function's backward, once a trip
+    elif _is_function(node):  # its function's backward, once a trip
       f, inner = _scan_backward(node, needs)
       total += _trips(node) * f
       needs[node.uid] = any(inner.get(r.uid, False) for r in node.attr("body").results)
+    elif node.op == "part":  # one value of a scan's tuple: computes nothing, carries its need
+      needs[node.uid] = any(needs.get(i.uid, False) for i in ins)
     else:
       flags = [needs.get(i.uid, False) for i in ins]
-      needs[node.uid] = any(flags) and node.op != "stop-gradient"
-      f = node_flops(node)
-      if node.op in _PER_INPUT:
-        total += f * sum(flags[:2])
-      elif any(flags):
-        total += 2 * f if node.op in ("sdpa", "einsum") else f
+      rule = BACKWARD[node.op]
+      needs[node.uid] = any(flags) and not isinstance(rule, str)
+      if needs[node.uid]:
+        total += rule(node_flops(node), flags)
   return total
+
+
+def _is_function(node: Node) -> bool:
+  """Whether the node applies a function of the IR (a scan: its body counts per trip)."""
+  op = OPS.get(node.op)
+  return op is not None and op.kind == "function"
 
 
 def _scan_backward(node: Node, needs: dict[int, bool]) -> tuple[int, dict[int, bool]]:
@@ -265,7 +304,7 @@ def _value_bytes(roots: list[Node]) -> int:
   for node in walk(roots):
     if node.op == "repeat":
       total += node.attr("n") * _value_bytes([node.attr("body").output])
-    elif node.op in ("scan", "associative-scan"):  # each trip's values, and the stacked ones
+    elif _is_function(node):  # each trip's values, and the stacked ones
       body = body_nodes(node)
       total += _trips(node) * sum(math.prod(n.shape) * np_dtype(n.dtype).itemsize
                                   for n in body if n.op not in LEAVES and n.dtype != "tuple")

@@ -3,9 +3,10 @@
 `:sharding` takes a mesh, `fsdp:2,tensor:2` (axes data, fsdp, tensor, expert; their
 product is the device count; parsed and checked in sexpgpu/lang/mesh.py). Each parameter's PartitionSpec comes from the graph:
 
-- SPLIT, a table filled by `register_split` like lower/flops.py's FLOPS: for every op,
-  how a split axis of its inputs maps to its output (an axis, SUM when the op sums over
-  it, None when the split cannot pass), or the reason it takes no split;
+- SPLIT, an op table as lower/flops.py's FLOPS (a default rule for each kind of op, and
+  the ops that are its exceptions): for every op, how a split axis of its inputs maps to
+  its output (an axis, SUM when the op sums over it, None when the split cannot pass), or
+  the reason it takes no split;
 - `find_pairs` walks the training graph with those rules: a matmul by a parameter
   [in out] starts a split of its columns; through ops that keep it (pointwise, the
   reshape to heads, sdpa over heads) it reaches a matmul by a parameter [in out] that
@@ -27,6 +28,7 @@ from typing import Callable
 
 from sexpgpu.errors import SxError
 from sexpgpu.ir.graph import Graph, Node, walk
+from sexpgpu.ir.opdef import OPS, OpTable
 
 # the axes the batch splits over (and `node`, outermost, over several nodes)
 DATA_AXES = ("node", "data", "fsdp", "expert")
@@ -37,19 +39,11 @@ SUM = "sum"  # a rule's answer when the op sums over the split axis (a pair's en
 # op name → rule(node, axes) → the output's split axis, SUM or None, given each input's
 # split axis (None: not split, or not a tensor); or the reason the op takes no split.
 Rule = Callable[[Node, tuple], "int | str | None"]
-SPLIT: dict[str, Rule | str] = {}
 
 
-def register_split(rule: Rule | str, *ops: str) -> None:
-  """Registers `rule` (or a reason it has none) as the split rule of `ops`.
-
-  Raises:
-    ValueError: an op already has an entry.
-  """
-  for op in ops:
-    if op in SPLIT:
-      raise ValueError(f"op {op} has a split rule already")
-    SPLIT[op] = rule
+def _opaque(node: Node, axes) -> None:
+  """An op written in Python that is not pointwise: a split ends before it."""
+  return None
 
 
 def _rank(x) -> int:
@@ -179,15 +173,21 @@ def _last_two(node: Node, axes) -> int | None:
   return a if a is not None and a < len(node.shape) - 2 else None
 
 
-register_split(_pointwise, "+", "-", "*", "/", "pow", "max", "min", "mod", "=", "!=", "<", "<=",
-               ">", ">=", "logical-and", "logical-or", "where", "neg", "abs", "exp", "log",
-               "log1p", "expm1", "sqrt", "rsqrt", "square", "sin", "cos", "tanh", "sigmoid",
-               "relu", "gelu", "silu", "softplus", "erf", "sign", "floor", "ceil", "round",
-               "isfinite", "logical-not", "cast", "clip", "stop-gradient", "broadcast")
-register_split(_reduce, "sum", "mean", "max-of", "min-of", "logsumexp", "argmax", "softmax",
-               "log-softmax")
-register_split(_along, "cumsum", "cumprod", "slice", "flip", "concat", "sort", "argsort",
-               "linear-recurrence", "take-along")
+# Every kind's default, and the ops that are its exceptions. An op written in Python gets
+# its kind's rule as the table's own ops do.
+SPLIT = OpTable("split", "sexpgpu/lower/layouts.py", {
+    "pointwise": _pointwise, "reduction": _reduce, "along": _along, "mask": _last_two,
+    "product": "a product without a rule of its own takes no split",
+    "loss": lambda n, axes: SUM if axes[0] == len(n.inputs[0].shape) - 1 else _first(n, axes),
+    "window": _stops, "opaque": _opaque,
+    "function": "a split does not enter a scan's function: its parameters stay as fsdp "
+                "places them",
+    "constant": "makes a value from no input, so nothing is split",
+    "random": "makes a value from no input, so nothing is split"})
+register_split = SPLIT.register
+register_split(_pointwise, "broadcast")
+register_split(_reduce, "softmax", "log-softmax")
+register_split(_along, "slice", "flip", "concat", "take-along")
 register_split(_matmul, "matmul")
 register_split(_reshape, "reshape")
 register_split(_transpose, "transpose")
@@ -196,17 +196,19 @@ register_split(_take, "take")
 register_split(_expand, "expand")
 register_split(_squeeze, "squeeze")
 register_split(_first, "dropout", "tap", "one-hot", "segment-mask", "tile")
-register_split(_last_two, "causal-mask", "tril", "triu")
-register_split(lambda n, axes: SUM if axes[0] == len(n.inputs[0].shape) - 1 else _first(n, axes),
-               "cross-entropy")
-register_split(_stops, "top-k", "top-k-indices", "pad", "scatter-add", "conv", "avg-pool",
-               "max-pool", "chunked-cross-entropy")
-register_split("a split does not enter a scan's function: its parameters stay as fsdp "
-               "places them", "scan", "associative-scan")
+register_split(_last_two, "tril", "triu")
+register_split(_stops, "top-k", "top-k-indices", "pad", "scatter-add", "conv",
+               "chunked-cross-entropy")
 register_split(lambda n, axes: _einsum(n, axes), "einsum")
-register_split("makes a value from no input, so nothing is split", "iota", "full",
-               "bernoulli", "random-int", "random-normal", "random-permutation",
-               "random-uniform")
+
+# What the pair finder reads an op as: a product by a weight matrix (a pair's start or end),
+# an embedding's gather, an einsum of expert weights, or a normalization over the vocabulary
+# that ends an untied head's split.
+ROLES = OpTable("tensor-parallel role", "sexpgpu/lower/layouts.py", complete=False)
+ROLES.register("weights", "matmul")
+ROLES.register("embedding", "take")
+ROLES.register("experts", "einsum")
+ROLES.register("vocabulary", "softmax", "log-softmax", "logsumexp", "cross-entropy")
 
 
 # --- Megatron's pairs --------------------------------------------------------------------
@@ -230,6 +232,11 @@ class Pairs:
   starts: set = dataclasses.field(default_factory=set)
   # inside the pairs: a value's uid → its axis split on `tensor` (columns, heads, vocabulary)
   inner: dict = dataclasses.field(default_factory=dict)
+  # the uids of the row halves' products, of the embeddings' gathers, and of the products by
+  # a head's weights split on the vocabulary (run/layout_plan.py sizes their values)
+  rows: set = dataclasses.field(default_factory=set)
+  embeds: set = dataclasses.field(default_factory=set)
+  heads: set = dataclasses.field(default_factory=set)
 
 
 def _is_param(x) -> bool:
@@ -246,7 +253,8 @@ def _walk_body(nodes: list[Node], out: Pairs, starts: dict, inner: dict) -> None
       _walk_body(list(walk([node.attr("body").output])), out, starts, inner)
       continue
     ins = [state.get(i.uid) if isinstance(i, Node) else None for i in node.inputs]
-    if node.op == "einsum" and _letters(node) is not None:  # an MoE layer's [experts ..]
+    role = ROLES.get(node.op)
+    if role == "experts" and _letters(node) is not None:  # an MoE layer's [experts ..]
       subs, letters = _letters(node)
       for i, (sub, x) in enumerate(zip(subs, node.inputs)):
         if (isinstance(x, Node) and x.op == "param" and len(x.shape) >= 3 and sub[0] in letters
@@ -255,12 +263,13 @@ def _walk_body(nodes: list[Node], out: Pairs, starts: dict, inner: dict) -> None
           other = next(j for j, o in enumerate(subs) if j != i and sub[0] in o)
           out.dispatch[node.uid] = (other, subs[other].index(sub[0]), letters.index(sub[0]))
           out.expert_sizes.append((x.shape[0], f"the {x.shape[0]} experts of {x.attr('path')}"))
-    if node.op == "take" and _is_param(node.inputs[0]):
+    if role == "embedding" and _is_param(node.inputs[0]):
       t = node.inputs[0]
       out.split[t.attr("path")] = (0, "vocabulary")
       out.sizes.append((t.shape[0], f"the vocabulary of {t.attr('path')}"))
       out.ends.add(node.uid)
-    if node.op == "matmul" and _is_param(node.inputs[1]) and ins[0] is None:
+      out.embeds.add(node.uid)
+    if role == "weights" and _is_param(node.inputs[1]) and ins[0] is None:
       w = node.inputs[1]
       starts[node.uid] = w.attr("path")
       state[node.uid] = (len(node.shape) - 1, frozenset([w.attr("path")]),
@@ -276,18 +285,21 @@ def _walk_body(nodes: list[Node], out: Pairs, starts: dict, inner: dict) -> None
     cols = frozenset().union(*(s[1] for s in ins if s))
     sizes = tuple(x for s in ins if s for x in s[2])
     if got == SUM:
-      if node.op == "matmul" and _is_param(node.inputs[1]):  # the pair's row half
+      if role == "weights" and _is_param(node.inputs[1]):  # the pair's row half
         w = node.inputs[1]
         out.split[w.attr("path")] = (0, "rows")
         out.ends.add(node.uid)
+        out.rows.add(node.uid)
         out.sizes += list(sizes) + [(w.shape[0], f"the {w.shape[0]} rows of {w.attr('path')}")]
         out.split.update({c: (1, "columns") for c in cols if c not in out.split})
-      elif node.op in ("softmax", "log-softmax", "logsumexp", "cross-entropy"):
-        why = "vocabulary" if node.op == "cross-entropy" else "softmax"
+      elif role == "vocabulary":
+        why = "vocabulary" if OPS[node.op].kind == "loss" else "softmax"
         out.split.update({c: (1, why) for c in cols if c not in out.split})
         out.sizes += list(sizes)
     elif got is not None:
-      if node.op == "reshape" and node.shape[got] < node.inputs[0].shape[ins[0][0]]:
+      x = node.inputs[0]
+      if ins[0] is not None and len(node.shape) > len(x.shape) and \
+          node.shape[got] < x.shape[ins[0][0]]:  # a reshape of [.. width] to [.. heads dhead]
         sizes += ((node.shape[got], f"the {node.shape[got]} heads after {node.op} at "
                    f"{node.loc or node.scope}"),)
       state[node.uid] = (got, cols, sizes)
@@ -300,6 +312,8 @@ def find_pairs(graph: Graph) -> Pairs:
   _walk_body(graph.nodes(), out, starts, inner)
   columns = {path for path, (axis, _) in out.split.items() if axis == 1}
   out.starts = {uid for uid, path in starts.items() if path in columns}
+  out.heads = {uid for uid, path in starts.items()
+               if out.split.get(path, (0, ""))[1] in ("vocabulary", "softmax")}
   out.inner = {uid: axis for uid, (axis, cols) in inner.items() if cols and cols <= columns}
   return out
 

@@ -10,9 +10,9 @@ op of the IR has an entry.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 from sexpgpu.ir.graph import Graph, Node
+from sexpgpu.ir.opdef import OPS, OpTable
 
 
 class NoRule(Exception):
@@ -48,31 +48,16 @@ class Plan:
   carries: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
-def _ax(p: Plan, x) -> int | None:
+def time_axis(p: Plan, x) -> int | None:
+  """The time axis the plan gave `x`, None for a constant or a value with none."""
   return p.axes.get(x.uid) if isinstance(x, Node) else None
 
 
 # op name → rule(plan, node, inputs, timed) giving the node's time axis, or the reason the
 # op has no incremental rule when an input runs over positions. A rule is asked only for a
 # node with such an input; every op of the IR has an entry (tests/test_op_table.py).
-DECODE: dict[str, Callable | str] = {}
-
-
-def register_decode(rule: Callable | str, *ops: str) -> None:
-  """Registers the decode rule (or the reason there is none) of `ops`.
-
-  Raises:
-    ValueError: an op already has an entry.
-  """
-  for op in ops:
-    if op in DECODE:
-      raise ValueError(f"op {op} has a decode rule already")
-    DECODE[op] = rule
-
-
-def register_pointwise(op: str) -> None:
-  """Gives `op` the rule of elementwise ops (a user op declared pointwise), replacing any."""
-  DECODE[op] = _pointwise
+DECODE = OpTable("decode", "sexpgpu/models/decode_rules.py")  # kinds' defaults: below
+register_decode = DECODE.register
 
 
 def _pointwise(p: Plan, n: Node, ins, timed) -> int:
@@ -83,7 +68,7 @@ def _pointwise(p: Plan, n: Node, ins, timed) -> int:
     raise NoRule(n, "combines operands whose positions lie on different axes")
   end = ends.pop()
   for i in ins:
-    if _ax(p, i) is None and len(i.shape) >= -end and i.shape[end] == W and W > 1:
+    if time_axis(p, i) is None and len(i.shape) >= -end and i.shape[end] == W and W > 1:
       if i.op == "param" and len(i.shape) + end == 0:  # a learned table, one row a position
         p.tables.add(i.uid)
         p.axes[i.uid] = 0
@@ -99,7 +84,7 @@ def _sdpa(p: Plan, n: Node, ins, timed) -> int:
     raise NoRule(n, "masks segments (packed documents), which decoding does not keep")
   if not n.attr("causal"):
     raise NoRule(n, "is not causal: every position sees the later ones")
-  if not all(_ax(p, t) == 2 for t in (q, k, v)):
+  if not all(time_axis(p, t) == 2 for t in (q, k, v)):
     raise NoRule(n, "attends along an axis other than positions")
   p.attention.append(n)
   kv = [_repeated_heads(t) for t in (k, v)]
@@ -190,7 +175,7 @@ def _concat(p, n, ins, timed):
 
 def _matmul(p, n, ins, timed):
   A, B = ins
-  aa, ab = _ax(p, A), _ax(p, B)
+  aa, ab = time_axis(p, A), time_axis(p, B)
   if ab is not None and ab >= len(B.shape) - 2:
     raise NoRule(n, "multiplies by a matrix over positions")
   if aa is not None and aa == len(A.shape) - 1:
@@ -204,7 +189,7 @@ def _einsum(p, n, ins, timed):
   lhs, out = n.attr("spec").replace(" ", "").split("->")
   letters = set()
   for term, t in zip(lhs.split(","), ins):
-    ta = _ax(p, t)
+    ta = time_axis(p, t)
     if ta is not None:
       letters.add(term[ta])
   if len(letters) != 1 or next(iter(letters)) not in out:
@@ -282,11 +267,11 @@ def _scan(p, n, ins, timed):
   """A scan along positions keeps its carry (an associative scan, its running combination);
   its function sees one position at a time, so nothing inside it runs over positions."""
   k, m = n.attr("carries"), n.attr("operands")
-  if any(_ax(p, i) is not None for i in ins[m:]):
+  if any(time_axis(p, i) is not None for i in ins[m:]):
     raise NoRule(n, "reads values along positions inside its function")
-  if any(_ax(p, i) is not None for i in ins[:k]):
+  if any(time_axis(p, i) is not None for i in ins[:k]):
     raise NoRule(n, "starts its carry from values along positions")
-  if {_ax(p, x) for x in ins[k:m]} != {n.attr("axis")}:
+  if {time_axis(p, x) for x in ins[k:m]} != {n.attr("axis")}:
     raise NoRule(n, "scans along an axis other than positions, or not all its inputs run"
                  " over positions")
   if n.attr("reverse"):
@@ -314,12 +299,12 @@ def _scatter(p, n, ins, timed):
   return a
 
 
-register_decode(
-    _pointwise, "+", "-", "*", "/", "pow", "max", "min", "mod", "neg", "abs", "exp", "log",
-    "sqrt", "rsqrt", "square", "tanh", "cos", "sin", "sigmoid", "relu", "gelu", "silu", "erf",
-    "softplus", "log1p", "expm1", "floor", "ceil", "round", "sign", "isfinite", "logical-not",
-    "logical-and", "logical-or", "<", "<=", ">", ">=", "=", "!=", "where", "cast", "clip",
-    "dropout", "tap", "stop-gradient")
+DECODE.register_kind(_pointwise, "pointwise")
+DECODE.register_kind(_reduction, "reduction")
+DECODE.register_kind(_spatial("pools over positions"), "window")
+DECODE.register_kind("mixes positions (a mask over them outside one sdpa region)", "mask")
+DECODE.register_kind("reduces over positions (a loss, not logits)", "loss")
+DECODE.register_kind("has no tensor inputs, so none runs over positions", "constant", "random")
 register_decode(_sdpa, "sdpa")
 register_decode(_reshape, "reshape")
 register_decode(_transpose, "transpose")
@@ -327,7 +312,6 @@ register_decode(_broadcast, "broadcast")
 register_decode(_expand, "expand")
 register_decode(_squeeze, "squeeze")
 register_decode(_along("slices positions"), "slice")
-register_decode(_reduction, "sum", "mean", "max-of", "min-of", "logsumexp", "argmax")
 register_decode(_along("normalizes over positions"), "softmax", "log-softmax")
 register_decode(_take, "take")
 register_decode(lambda p, n, ins, timed: timed[0][1], "one-hot")
@@ -346,14 +330,15 @@ register_decode(_per_axis("widths", lambda w: tuple(w) == (0, 0), "pads position
 register_decode(_scatter, "scatter-add")
 register_decode(_conv, "conv")
 register_decode(_scan, "scan", "associative-scan")
-register_decode(_spatial("pools over positions"), "max-pool", "avg-pool")
-register_decode("mixes positions (a mask over them outside one sdpa region)",
-                "causal-mask", "segment-mask")
-register_decode("reduces over positions (a loss, not logits)",
-                "cross-entropy", "chunked-cross-entropy")
-register_decode("has no tensor inputs, so none runs over positions", "full", "iota",
-                "bernoulli", "random-normal", "random-uniform", "random-int",
-                "random-permutation")
+register_decode("reduces over positions (a loss, not logits)", "chunked-cross-entropy")
+
+
+def _opaque(p, n, ins, timed):
+  raise NoRule(n, f"is an op written in Python ({OPS[n.op].source}) that is not declared "
+               'kind="pointwise": no incremental rule')
+
+
+DECODE.register_kind(_opaque, "opaque")
 
 
 def _repeated_heads(x: Node) -> tuple[Node, int] | None:

@@ -1,10 +1,12 @@
 """Whether every op of the IR has an entry in every interpretation's table.
 
-Each interpretation keeps its own table keyed by op name, filled by
-registration: the front end (`front.prims.BUILTINS`, or a note of the form
-that writes the op), FLOPs (`lower.flops.FLOPS`), the decode rule
-(`models.decode_rules.DECODE`) and the reference page (`tools.langdoc`). An entry
-may be a rule or a reason there is none; a missing one is a gap.
+Each interpretation keeps its own table keyed by op name (`ir.opdef.OpTable`),
+a default rule for each kind of op and the ops that are its exceptions: FLOPs,
+the backward's cost and saved inputs (`lower.flops`), the decode rule
+(`models.decode_rules.DECODE`), the split rule (`lower.layouts.SPLIT`); besides
+them the front end (`front.prims.BUILTINS`, or a note of the form that writes the
+op) and the reference page (`tools.langdoc`). An entry may be a rule or a reason
+there is none; a missing one is a gap.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ def gaps() -> list[str]:
   """One line per (op, table) with no entry, and per entry naming no op; [] when complete."""
   from sexpgpu.front.declared import MADE_BY
   from sexpgpu.front.prims import BUILTINS
+  from sexpgpu.ir.opdef import TABLES
   from sexpgpu.ir.ops import OPS
-  from sexpgpu.lower.flops import FLOPS
-  from sexpgpu.models.decode_rules import DECODE
-  from sexpgpu.lower.layouts import SPLIT
-  tables = {"flops (sexpgpu/lower/flops.py)": FLOPS,
-            "decode (sexpgpu/models/decode_rules.py)": DECODE,
-            "split (sexpgpu/lower/layouts.py)": SPLIT}
+  from sexpgpu.lower import flops, layouts  # noqa: F401  (they make their tables)
+  from sexpgpu.models import decode_rules  # noqa: F401
+  tables = {f"{t.what} ({t.where})": t for t in TABLES if t.complete}
   out = []
   for name, op in sorted(OPS.items()):
     if name not in BUILTINS and name not in MADE_BY and op.source is None:
