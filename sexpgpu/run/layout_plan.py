@@ -18,7 +18,8 @@ repeated blocks:
   reduce-scatter of the gradients, tensor's all-reduce of each pair's output (forward and
   backward) and of the vocabulary-split embedding, expert's all-to-alls (dispatch and
   combine, forward and backward). Ring costs: an all-reduce moves 2(n−1)/n of its bytes,
-  an all-gather, reduce-scatter or all-to-all (n−1)/n.
+  an all-gather, reduce-scatter or all-to-all (n−1)/n. On a GPU of links.py's table,
+  run/gpu_cost.py's model sets the compute and each collective's exposed seconds instead.
 
 On a run's own devices the plan's memory is confirmed by the memory plan (plan.py, compiled
 for abstract values) for the best candidates until two fit, those within 5% are timed on the
@@ -34,6 +35,8 @@ import math
 from sexpgpu.devices import memory as mem
 from sexpgpu.errors import SxError
 from sexpgpu.ir.graph import walk
+from sexpgpu.ir.opdef import LEAVES, OpTable
+from sexpgpu.lower.flops import saved_inputs
 from sexpgpu.ir.shapes import np_dtype
 from sexpgpu.lang.mesh import AUTO, is_auto
 from sexpgpu.run.links import Hardware
@@ -43,14 +46,12 @@ LAYOUT_MODEL = 2  # kept with each remembered choice: a choice an older model ma
 ORDER = ("data", "fsdp", "expert", "tensor")  # outermost first: tensor inside a node
 CLOSE = 0.05
 TENSOR_SHARE = 24 / 34  # of a layer's activations, the part inside Megatron's pairs
-LEAVES = ("input", "param", "carry", "part")
-# The activations a step keeps for its backward: the inputs of the ops whose gradient reads
-# them (products, nonlinearities, normalizations), each counted once through reshapes,
-# transposes and broadcasts; what XLA fuses away (sums, views) is not kept.
-SAVING = ("matmul", "einsum", "sdpa", "*", "/", "silu", "gelu", "sigmoid", "tanh", "relu",
-          "softmax", "log-softmax", "logsumexp", "exp", "log", "rsqrt", "sqrt", "square",
-          "cross-entropy", "chunked-cross-entropy", "take")
-VIEWS = ("reshape", "transpose", "broadcast", "expand", "squeeze", "cast")
+# The activations a step keeps for its backward: the inputs its backward reads (lower/flops.py's
+# SAVES: products, nonlinearities, normalizations), each counted once through the views
+# (`views`), which XLA keeps no copy of; what XLA fuses away (sums, views) is not kept.
+VIEWS = OpTable("view", "sexpgpu/run/layout_plan.py", complete=False)
+VIEWS.register("the same values, another shape or dtype", "reshape", "transpose", "broadcast",
+               "expand", "squeeze", "cast")
 
 
 @dataclasses.dataclass
@@ -83,6 +84,7 @@ class Candidate:
   # would fit were they to: the refusal is then the microbatches', not the memory's
   fits_but_k: bool = False
   k_memory: float = 0.0  # then its memory a device, as estimated
+  terms: dict | None = None  # a GPU's step time by term (run/gpu_cost.py), seconds
 
   @property
   def ranks(self) -> int:
@@ -230,7 +232,6 @@ def _graph_facts(graph, pairs) -> dict:
   pairs' reduced outputs and embeddings' outputs, expert operands, each times its trips."""
   facts = {"values": 0, "repeat_values": 0, "repeat_kept": 0, "pair_out": [], "embed_out": [],
            "head_in": [], "expert_in": [], "repeats": 0}
-  rows = {p for p, (_, why) in pairs.split.items() if why == "rows"}
   seen: set = set()
 
   def visit(roots, times: int, inside: bool):
@@ -245,21 +246,18 @@ def _graph_facts(graph, pairs) -> dict:
         continue
       if node.op in LEAVES:
         continue
-      for x in node.inputs if node.op in SAVING else ():  # what the backward reads
+      for x in saved_inputs(node):  # what the backward reads
         while getattr(x, "op", None) in VIEWS:
           x = x.inputs[0]
         if getattr(x, "op", "param") not in LEAVES and (x.uid, times) not in seen:
           seen.add((x.uid, times))
           facts["values"] += times * _nbytes(x)
       ins = node.inputs
-      if node.op == "matmul" and len(ins) > 1 and getattr(ins[1], "op", "") == "param":
-        path = ins[1].attr("path")
-        if path in rows:
-          facts["pair_out"].append((times, times * _nbytes(node)))
-        elif path in pairs.split and pairs.split[path][1] in ("vocabulary", "softmax"):
-          facts["head_in"].append((times, times * _nbytes(ins[0])))
-      if node.op == "take" and getattr(ins[0], "op", "") == "param" and \
-          ins[0].attr("path") in pairs.split:
+      if node.uid in pairs.rows:
+        facts["pair_out"].append((times, times * _nbytes(node)))
+      elif node.uid in pairs.heads:
+        facts["head_in"].append((times, times * _nbytes(ins[0])))
+      if node.uid in pairs.embeds:
         facts["embed_out"].append((times, times * _nbytes(node)))
       if node.uid in pairs.dispatch:
         other = pairs.dispatch[node.uid][0]
@@ -376,6 +374,9 @@ def estimate(c, cand: Candidate, hw: Hardware, nodes: int, facts: dict, pairs, s
                   k_dev * 4 * expert[1], hw, nodes),
   ]
   cand.collectives = [x for x in cols if x is not None]
+  from sexpgpu.run import gpu_cost
+  if hw.name in gpu_cost.GPUS:  # a GPU: achievable rates, overlap and launches
+    gpu_cost.charge(cand, graph, hw, microbatches, precision)
   return cand
 
 
@@ -566,8 +567,12 @@ def paper_text(c, choice: LayoutChoice, gpu: str) -> str:
   lines += choice.lines()
   lines.append(f"  memory      {mem.human(c_.memory)} a device of "
                f"{mem.human(choice.hardware.memory)}: " + ", ".join(f"{k} {mem.human(v)}" for k, v in c_.parts.items()))
-  lines.append("  collectives (a step, a device; ring bytes, nothing overlapped)")
+  lines.append("  collectives (a step, a device; ring bytes; " + ("time exposed, at NCCL's bus "
+               "bandwidth)" if c_.terms else "nothing overlapped)"))
   lines += choice.collective_lines()
+  if c_.terms:
+    from sexpgpu.run.gpu_cost import terms_line
+    lines.append(f"  step time   {terms_line(c_)} (a device)")
   lines.append(f"  estimate    step {_ms(t)}, {tokens:,.0f} tokens/s a GPU, MFU "
                f"{100 * choice.mfu():.0f}% (model FLOPs {choice.flops:.3g} a step over "
                f"{choice.hardware.peak_at(str(c.exp.run['precision'])) / 1e12:.0f} TFLOP/s "
