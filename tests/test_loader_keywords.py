@@ -11,7 +11,8 @@ from sexpgpu.run.compile import compile_source
 # A value of each keyword that every loader taking it accepts; a new keyword needs one here.
 SAMPLE = {"vocab": "16", "seq": "9", "batch": "2", "seed": "3", "branching": "2", "stream": "1",
           "digits": "2", "shuffle": "true", "split": "[0 1]", "dtype": "u16", "stride": "4",
-          "fields": "[x y]", "pack": "docs", "offsets": "fixed"}
+          "fields": "[x y]", "pack": "docs", "offsets": "fixed", "tokenizer": '"tok.json"',
+          "train-on": "all", "split-by": "tokens"}
 EVERY = sorted({k for kind in KINDS for k in keywords(kind)})
 PAIRS = [(kind, k) for kind in KINDS for k in EVERY]
 

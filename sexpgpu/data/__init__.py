@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sexpgpu.data import files, mix, synthetic, text
+from sexpgpu.data import chat, files, mix, pairs, synthetic, text
 from sexpgpu.data.base import Context, Loader
 from sexpgpu.data.spec import LoaderSpec, bind_args, check_fields
 from sexpgpu.errors import SxError, did_you_mean
@@ -23,6 +23,8 @@ KINDS: dict[str, type[Loader]] = {
     "arrays": files.ArraysLoader,
     "mix": mix.MixLoader,
     "text": text.TextLoader,
+    "chat": chat.ChatLoader,
+    "pairs": pairs.PairsLoader,
 }
 
 
