@@ -142,7 +142,7 @@ class ShardedTrainStep(TrainStep):
       return run_graph(self.graph, p, batch, ctx, None, self._rule(p, batch, ctx))["out"].astype(
           jnp.float32)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss, grads = self._grad(loss_fn, params)
     return loss, jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), {}
 
   def _held(self, x, axis: int | None, name: str):
@@ -329,10 +329,10 @@ class ShardedTrainStep(TrainStep):
     if self.carried:  # each node's sum, kept apart until the update sends it in bf16
       by_node = lambda g: jnp.sum(g.reshape((self.nodes, self.gpus) + g.shape[1:]), 1)
       grads = self._constrain(jax.tree_util.tree_map(by_node, grads),
-                              self._carry_shardings(params))
+                              self._carry_shardings(self._train(params)))
     else:
       grads = self._constrain(jax.tree_util.tree_map(lambda g: jnp.sum(g, 0), grads),
-                              self._param_shardings(params))
+                              self._param_shardings(self._train(params)))
     tapped = {n: v.reshape(-1) for n, v in tapped.items()}
     return jnp.sum(loss), grads, tapped
 
@@ -343,7 +343,7 @@ class ShardedTrainStep(TrainStep):
       sent = jax.tree_util.tree_map(lambda e: e.astype(jnp.bfloat16), fed)
       carry = jax.tree_util.tree_map(lambda e, q: e - q.astype(jnp.float32), fed, sent)
       grads = self._constrain({path: self._node_sum(path, q) for path, q in sent.items()},
-                              self._param_shardings(state["params"]))
+                              self._param_shardings(self._train(state["params"])))
     new_state, metrics = self._apply(state, loss, grads, tapped)
     if carry is not None:
       new_state["carry"] = carry
@@ -364,6 +364,7 @@ class ShardedTrainStep(TrainStep):
     return acc_loss + loss, jax.tree_util.tree_map(jnp.add, acc_grads, grads), tapped
 
   def _sharded_zeros(self, params):
+    params = self._train(params)  # sums of the trained parameters' gradients only
     lead = (self.nodes,) if self.carried else ()
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params)
     return jnp.float32(0.0), self._constrain(zeros, self._sums_shardings(params))
@@ -372,6 +373,7 @@ class ShardedTrainStep(TrainStep):
     return self._finish(state, loss, grads, tapped, stop)
 
   def _abstract_sums(self, params: dict) -> dict:
+    params = self._train(params)
     lead = (self.nodes,) if self.carried else ()
     shardings = self._sums_shardings(params)
     return {k: jax.ShapeDtypeStruct(lead + tuple(p.shape), jnp.float32, sharding=shardings[k])

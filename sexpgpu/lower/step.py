@@ -74,6 +74,9 @@ class TrainStep:
   mesh: Any = None  # the data-parallel mesh: ("data",), or ("node", "gpu") over nodes
   node_gradients: str = "f32"  # between nodes: "f32" exact, or "bf16" with error feedback
   platform: str | None = None  # "cpu" or "gpu": lowering rules that differ by device
+  # the parameters trained (`:trainable`, LoRA's adapters); None: every one. The others are
+  # constants of the step: not differentiated, not in the optimizer state, passed through
+  trainable: frozenset | None = None
 
   def __post_init__(self):
     self.ranks = 1 if self.mesh is None else self.mesh.size
@@ -95,6 +98,21 @@ class TrainStep:
     self._zeros_fn = jax.jit(self._zeros, out_shardings=self._sharding("data"))
     self._fused_exec = self._grads_exec = self._update_exec = None
 
+  def _train(self, params: dict) -> dict:
+    """The parameters the step trains, by path (all of them without `trainable`)."""
+    if self.trainable is None:
+      return params
+    return {k: v for k, v in params.items() if k in self.trainable}
+
+  def _grad(self, loss_fn, params: dict, has_aux: bool = False):
+    """jax.value_and_grad of `loss_fn(params)` with respect to the trained parameters only:
+    the frozen ones enter as constants, so no gradient of theirs is computed."""
+    if self.trainable is None:
+      return jax.value_and_grad(loss_fn, has_aux=has_aux)(params)
+    frozen = {k: v for k, v in params.items() if k not in self.trainable}
+    return jax.value_and_grad(lambda t: loss_fn({**frozen, **t}), has_aux=has_aux)(
+        self._train(params))
+
   # a microbatch's loss and gradient; dropout's key from (seed, step, microbatch)
   def _loss_and_grad(self, params, batch, step, index):
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
@@ -112,13 +130,14 @@ class TrainStep:
                             if vals else jnp.float32(0.0))
       return out.astype(jnp.float32), tapped
 
-    (loss, tapped), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, tapped), grads = self._grad(loss_fn, params, has_aux=True)
     grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
     return loss, grads, tapped
 
   def _stacked_grads(self, params, batches, step, offset):
     """Sums loss and f32 gradients over the leading (stacked) axis of `batches`."""
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                                   self._train(params))
 
     def body(acc, xs):
       batch, i = xs
@@ -136,8 +155,9 @@ class TrainStep:
     loss = loss_sum / k
     grads = jax.tree_util.tree_map(lambda g: g / k, grad_sum)
     params, opt = state["params"], state["opt"]
-    updates, new_opt = self.optimizer.update(grads, opt, params)
-    new_params = optax.apply_updates(params, updates)
+    trained = self._train(params)
+    updates, new_opt = self.optimizer.update(grads, opt, trained)
+    new_params = optax.apply_updates(trained, updates)
     ok = _finite(loss) & _finite(optax.tree.norm(grads))
     halted = jnp.bool_(False)
     if self.on_nan == "stop":
@@ -156,17 +176,18 @@ class TrainStep:
       elif d.kind == "param-norm":
         metrics["diag/" + d.name] = _norm(params, d.arg)
       elif d.kind == "update-ratio":
-        metrics["diag/" + d.name] = _norm(updates, d.arg) / jnp.maximum(_norm(params, d.arg),
+        metrics["diag/" + d.name] = _norm(updates, d.arg) / jnp.maximum(_norm(trained, d.arg),
                                                                         1e-12)
       else:
         metrics["diag/" + d.name] = REDUCE[d.reduce](tapped[d.name])
     new_state = dict(state)
-    new_state["params"] = keep(ok, new_params, params)
+    kept = keep(ok, new_params, trained)  # a frozen parameter is passed through as it is
+    new_state["params"] = {k: kept.get(k, v) for k, v in params.items()}
     # The optimizer state's select waits for the new parameters. Left unordered, XLA
     # copies every donated optimizer state buffer at the start of the step, since both
     # the parameters' and the state's updates read the old moments: a second optimizer
     # state's worth of memory, and its copying time.
-    new_state["opt"] = keep(_once_computed(ok, new_state["params"]), new_opt, opt)
+    new_state["opt"] = keep(_once_computed(ok, kept), new_opt, opt)
     new_state["step"] = state["step"] + jnp.where(halted, 0, 1).astype(state["step"].dtype)
     new_state["skipped"] = state["skipped"] + jnp.where(ok | halted, 0, 1).astype(jnp.int32)
     # one f32 vector, so reading a step's numbers is a single transfer
@@ -286,7 +307,8 @@ class TrainStep:
     """The running sums of a stacked step: one per rank (a leading axis R) with several."""
     lead = (self.ranks,) if self.ranks > 1 else ()
     return (jnp.zeros(lead, jnp.float32),
-            jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params))
+            jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, jnp.float32),
+                                   self._train(params)))
 
   def stop_flags(self, stop: bool = False):
     """This process's stop flag for each of its ranks, placed as the step expects."""
@@ -415,8 +437,9 @@ class PassStep:
 
   def compile(self, params, batch):
     """Compiles the pass for abstract inputs; later calls use the executable."""
+    index = jax.ShapeDtypeStruct((), jnp.int32)  # abstract: no executable to make a 0
     self._exec = self._fn(self.platform_of(params, batch)).lower(params, batch,
-                                                                 jnp.int32(0)).compile()
+                                                                 index).compile()
     return self._exec
 
   def lowered_for_cuda(self, params, batch):
@@ -426,13 +449,28 @@ class PassStep:
 
   def __call__(self, params, batch, index=0):
     """The metrics of batch number `index` of the pass (its random draws' key)."""
-    index = jnp.int32(index)
+    index = np.int32(index)  # passed as is: jnp.int32 would compile a convert_element_type
     if self._exec is not None:
       return self._exec(params, batch, index)
     return self._fn(self.platform_of(params, batch))(params, batch, index)
 
 
+def trained_only(optimizer: optax.GradientTransformation, trainable: frozenset | None
+                 ) -> optax.GradientTransformation:
+  """`optimizer` whose state holds the trained parameters only: its `init` takes every
+  parameter and keeps those in `trainable`; its `update` takes the trained ones (the step's
+  gradients are theirs alone). `optimizer` itself when every parameter trains."""
+  if trainable is None:
+    return optimizer
+  return optax.GradientTransformation(
+      lambda params: optimizer.init({k: v for k, v in params.items() if k in trainable}),
+      optimizer.update)
+
+
 def init_state(params: dict, optimizer: optax.GradientTransformation) -> dict:
   """The train state: parameters, optimizer state, step and skipped-step counter."""
-  return {"params": params, "opt": optimizer.init(params), "step": jnp.int32(0),
-          "skipped": jnp.int32(0)}
+  # one executable for the whole optimizer state, not one op-by-op dispatch (and compile,
+  # on a cold cache) for each of its zero buffers: 10 for adamw's; the counters are put,
+  # not converted (jnp.int32(0) compiles a convert_element_type)
+  return {"params": params, "opt": jax.jit(optimizer.init)(params),
+          "step": jax.device_put(np.int32(0)), "skipped": jax.device_put(np.int32(0))}

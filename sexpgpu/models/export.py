@@ -48,8 +48,26 @@ def _tokenizer_config(tokenizer: str, config: dict, positions: int | None) -> di
   return out
 
 
+def merged(c, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The parameters with each LoRA adapter folded into its base weight, W + (alpha/rank)·A·B
+  (stacked layers each their own), and the adapters gone: the model the adapted one computes.
+  """
+  from sexpgpu.ir.lora import adapter_paths, base_params
+  lora = c.exp.run.get("lora")
+  out = {k: params[k] for k in base_params(params)}
+  if lora is None:
+    return out
+  for base in out:
+    a, b = adapter_paths(base)
+    if a in params and b in params:
+      w = np.asarray(out[base])
+      delta = np.matmul(np.asarray(params[a], np.float32), np.asarray(params[b], np.float32))
+      out[base] = (w.astype(np.float32) + np.float32(lora.scale) * delta).astype(w.dtype)
+  return out
+
+
 def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
-           tokenizer: str | None = None) -> list[str]:
+           tokenizer: str | None = None, merge_lora: bool = False) -> list[str]:
   """Writes the parameters of experiment `c` as `fmt`.
 
   Args:
@@ -57,16 +75,24 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
     out: a .safetensors file (safetensors) or a folder (hf).
     fmt: "safetensors" or "hf".
     tokenizer: a tokenizer.json to copy into the hf folder, if known.
+    merge_lora: write each LoRA adapter folded into its base weight (`merged`).
 
   Returns:
     The files written.
 
   Raises:
     SxError: E-EXPORT-001 when `fmt` is hf and the model is not a gpt2, llama, mixtral or
-      mamba.
+      mamba, or has LoRA adapters and `merge_lora` is off (a twin has no place for them).
   """
   if tokenizer and not os.path.isfile(tokenizer):
     raise SxError("E-TOK-002", f"no tokenizer file {tokenizer}", where="--tokenizer")
+  if merge_lora:
+    params = merged(c, params)
+  elif fmt == "hf" and c.exp.run.get("lora") is not None:
+    raise SxError("E-EXPORT-001", "--format hf: the run's LoRA adapters have no place in the "
+                  "Hugging Face twin of its base model", where="--format hf",
+                  fix="add --merge-lora to fold each adapter into its base weight, or export "
+                  "--format safetensors, which keeps the adapters under their .sx paths")
   try:
     if fmt == "safetensors":
       os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -105,9 +131,12 @@ def write_step0(c, params: dict[str, np.ndarray], out: str) -> str:
   from sexpgpu.ckpt import CheckpointStore
   from sexpgpu.ckpt import meta as ckpt_meta
   from sexpgpu.ir.ops import DTYPES
+  from sexpgpu.ir.lora import trained
   from sexpgpu.lower.optim import make_optimizer
-  from sexpgpu.lower.step import init_state
+  from sexpgpu.lower.step import init_state, trained_only
   opt, _ = make_optimizer(c.exp.optimizer, int(c.exp.run["steps"]), c.stages[0].graph)
+  spec = c.exp.run.get("trainable")  # the state of the trained parameters only, as a run's
+  opt = trained_only(opt, trained(c.params, spec and spec.get("patterns"), spec and spec.loc))
   host = {k: jax.numpy.asarray(v, DTYPES[c.params[k].dtype]) for k, v in params.items()}
   state = init_state(host, opt)
   counters = {"records": 0}

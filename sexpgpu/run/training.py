@@ -20,7 +20,8 @@ from sexpgpu.lower.optim import make_optimizer
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
 from sexpgpu.lang.mesh import check_devices, is_mesh
 from sexpgpu.lower.layouts import DATA_AXES, find_pairs, make_mesh, param_specs
-from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state
+from sexpgpu.ir.lora import SUFFIXES, base_of, trained
+from sexpgpu.lower.step import Diag, PassStep, TrainStep, init_state, trained_only
 
 
 @dataclasses.dataclass
@@ -71,6 +72,13 @@ class Training:
       # its carried error is fsdp's, hsdp's and replicate's (it needs a `node` axis)
       self.node_gradients = "f32"
     self._steps: dict[tuple[int, int], TrainStep] = {}
+    self.trainable = trainable(self.c)
+
+  def trained(self, params: dict) -> dict:
+    """The trained ones of `params` (`:trainable`, LoRA's adapters; all without them)."""
+    if self.trainable is None:
+      return params
+    return {k: v for k, v in params.items() if k in self.trainable}
 
   @property
   def carried(self) -> bool:
@@ -80,9 +88,10 @@ class Training:
 
   def optimizer(self, stage: int = 0):
     """The stage's optax transformation and learning-rate schedule (weight decay by each
-    parameter's role in the stage's graph)."""
-    return make_optimizer(self.c.stages[stage].exp.optimizer, self.steps,
-                          self.c.stages[stage].graph)
+    parameter's role in the stage's graph), its state of the trained parameters only."""
+    opt, sched = make_optimizer(self.c.stages[stage].exp.optimizer, self.steps,
+                                self.c.stages[stage].graph)
+    return trained_only(opt, self.trainable), sched
 
   def step(self, stage: int, degree: int) -> TrainStep:
     """The stage's train step at a stacking degree (built once, then kept)."""
@@ -94,12 +103,12 @@ class Training:
               self.on_nan, self.diags, place.mesh if place else None, self.node_gradients,
               place.first.platform if place else None)
       if self.sharding == "replicate":
-        self._steps[key] = TrainStep(*args)
+        self._steps[key] = TrainStep(*args, trainable=self.trainable)
       else:
         stacks = {path: len(p.stack) for path, p in self.c.params.items()}
         layout, held, graph = None, {}, self.c.stages[stage].graph
         if self.mesh is not None:  # each parameter's spec from the stage's graph
-          layout = param_specs(graph, self.c.params, self.mesh)
+          layout = adapter_specs(param_specs(graph, self.c.params, self.mesh), self.c.params)
           sizes = dict(self.mesh)
           if sizes.get("expert", 1) > 1 or sizes.get("tensor", 1) > 1:
             pairs = find_pairs(graph)
@@ -110,7 +119,7 @@ class Training:
                           inner=pairs.inner)
           args = args[:9] + (make_mesh(place.devices, self.mesh),) + args[10:]
         self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks,
-                                            layout=layout, **held)
+                                            layout=layout, trainable=self.trainable, **held)
     return self._steps[key]
 
   def place_state(self, state: dict, stage: int = 0) -> dict:
@@ -175,7 +184,8 @@ class Training:
       # device replicated, one per node sharded (split over the node's devices)
       rows = self.ranks if self.sharding == "replicate" else self.place.nodes
       state["carry"] = jax.tree_util.tree_map(
-          lambda p: jax.ShapeDtypeStruct((rows,) + p.shape, jnp.float32), state["params"])
+          lambda p: jax.ShapeDtypeStruct((rows,) + p.shape, jnp.float32),
+          self.trained(state["params"]))
     return state
 
   def init_state(self, stage: int = 0) -> dict:
@@ -213,6 +223,37 @@ class Training:
     """A loader's batch as ShapeDtypeStructs, with leading axes `lead` (e.g. (K,))."""
     return {f: jax.ShapeDtypeStruct(lead + sh, jnp.dtype(np_dtype(dt)))
             for f, (dt, sh) in self.c.fields[loader].items()}
+
+
+def trainable(c) -> frozenset | None:
+  """The parameters a run of `c` trains (ir/lora.py's `trained`: `:trainable`'s patterns and
+  LoRA's adapters), or None when it trains every one.
+
+  Raises:
+    SxError: E-RUN-002 at `:trainable` for a pattern that matches no parameter.
+  """
+  spec = c.exp.run.get("trainable")
+  return trained(c.params, None if spec is None else spec.get("patterns"),
+                 None if spec is None else spec.loc)
+
+
+def adapter_specs(layout: dict, params: dict) -> dict:
+  """`layout` with each LoRA adapter split as its base weight is (torchtitan's rule): A
+  [.., in, rank] on the base's input axis, B [.., rank, out] on its output axis, the stacked
+  axes as the base's and the rank whole. So a column half's B is split as its columns and
+  adds to them where they lie; a row half's A sums over the rows' split as they do."""
+  from jax.sharding import PartitionSpec as P
+  out = dict(layout)
+  for path, p in params.items():
+    base = base_of(path)
+    if base is None or base not in params:
+      continue
+    spec = tuple(layout.get(base, P()))
+    spec += (None,) * (len(params[base].full_shape) - len(spec))
+    k = len(p.stack)
+    own = (spec[k], None) if path.endswith(SUFFIXES[0]) else (None, spec[k + 1])
+    out[path] = P(*(spec[:k] + own))
+  return out
 
 
 def build(c, place=None, node_gradients: str = "f32", diagnostics: bool = True) -> Training:

@@ -1,0 +1,55 @@
+"""`defrun`'s fine-tuning keywords: `:trainable` patterns and the `(lora ...)` form."""
+
+from __future__ import annotations
+
+from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.front.build import Builder, describe
+from sexpgpu.front.values import Env, Spec
+from sexpgpu.ir import lora as adapters
+from sexpgpu.lang.program import split_keywords
+from sexpgpu.reader import Form, List
+from sexpgpu.reader.forms import head_symbol
+
+
+def trainable(b: Builder, form: Form | None, env: Env) -> Spec | None:
+  """`:trainable ["glob" ...]` as a Spec holding its patterns (matched in ir/lora.py).
+
+  Raises:
+    SxError: E-RUN-002 at the value when it is no non-empty vector of non-empty strings.
+  """
+  if form is None:
+    return None
+  v = b.eval(form, env)
+  if not (isinstance(v, tuple) and v and all(isinstance(p, str) and p for p in v)):
+    raise SxError("E-RUN-002", f":trainable is {describe(v)}; it is a vector of glob patterns "
+                  "over parameter paths", location=form.loc,
+                  fix=":trainable [\"*/lm_head/*\" \"*/norm/*\"] (`check --print params` lists "
+                  "the paths)")
+  return Spec("trainable", "trainable", (("patterns", v),), form.loc)
+
+
+def lora(b: Builder, form: Form | None, env: Env) -> adapters.Lora | None:
+  """`:lora (lora :rank 8 :alpha 16 :dropout 0.0 :targets [...])` as an ir.lora.Lora.
+
+  Raises:
+    SxError: E-RUN-002 for a value that is no (lora ...) form and for a keyword's bad value
+      (ir.lora.options); E-FORM-002 at an unknown keyword, the nearest known one named;
+      E-FORM-001 for a positional argument.
+  """
+  if form is None:
+    return None
+  if not (isinstance(form, List) and head_symbol(form) == "lora"):
+    raise SxError("E-RUN-002", ":lora takes a (lora ...) form", location=form.loc,
+                  fix=":lora (lora :rank 8 :alpha 16 :targets [\"*/q_proj/w\" \"*/v_proj/w\"])")
+  pos, kws, locs = split_keywords(form, 1, None, "lora")
+  for key in kws:
+    if key not in adapters.KEYWORDS:
+      near = did_you_mean(":" + key, [":" + k for k in adapters.KEYWORDS])
+      raise SxError("E-FORM-002", f"lora has no keyword :{key}", location=locs[key],
+                    fix=(near + " " if near else "") + "lora takes "
+                    + " ".join(":" + k for k in adapters.KEYWORDS))
+  if pos:
+    raise SxError("E-FORM-001", "lora takes keyword arguments only", location=pos[0].loc,
+                  fix="(lora :rank 8 :targets [\"*/q_proj/w\"]), each value after its keyword")
+  values = {k: b.eval(f, env) for k, f in kws.items()}
+  return adapters.options(values, {k: f.loc for k, f in kws.items()}, form.loc)
