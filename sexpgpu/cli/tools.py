@@ -7,13 +7,13 @@ import sys
 from absl import flags
 
 from sexpgpu import env
-from sexpgpu.cli.main import _parse, _selection_flags, _sets, _trusting
+from sexpgpu.cli.main import parse_flags, selection_flags, parse_sets, python_trust
 from sexpgpu.errors import SxError
 
 
 def _sweep_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
-  _selection_flags(fv)
+  selection_flags(fv)
   flags.DEFINE_integer("steps", None, "replaces defrun :steps", flag_values=fv)
   flags.DEFINE_integer("eval_every", None, "replaces every pass's :every", flag_values=fv)
   flags.DEFINE_string("device", None, "cpu or cuda (SEXPGPU_DEVICE)", flag_values=fv)
@@ -40,7 +40,7 @@ def cmd_sweep(argv: list[str]) -> int:
   """`sexpgpu sweep FILE --set k=a,b ...`: runs (or emits) every point; prints the table."""
   from sexpgpu.tools import sweep
   fv = _sweep_flags()
-  rest = _parse(fv, argv, "sweep")
+  rest = parse_flags(fv, argv, "sweep")
   emit_dir = None
   if fv.emit is not None:
     kind, _, emit_dir = fv.emit.partition(":")
@@ -84,16 +84,16 @@ def cmd_bundle(argv: list[str]) -> int:
   """`sexpgpu bundle FILE [--variant V] [--set k=v] [--with-data] -o run.sxb`."""
   from sexpgpu.tools.bundle import make_bundle
   fv = flags.FlagValues()
-  _selection_flags(fv)
+  selection_flags(fv)
   flags.DEFINE_bool("with_data", False, "also bundle the loaders' local files", flag_values=fv)
   flags.DEFINE_string("output", None, "the archive to write (run.sxb)", short_name="o",
                       flag_values=fv)
-  rest = _parse(fv, argv, "bundle")
+  rest = parse_flags(fv, argv, "bundle")
   if len(rest) != 1 or not fv.output:
     raise SxError("E-FORM-001", "sexpgpu bundle takes one experiment file and -o ARCHIVE",
                   where="the command line", fix="sexpgpu bundle my-run.sx -o my-run.sxb")
-  with _trusting(fv.trust_python, True, "sexpgpu bundle"):  # it compiles the selection
-    m = make_bundle(rest[0], fv.output, fv.variant, _sets(fv.set), fv.with_data)
+  with python_trust(fv.trust_python, True, "sexpgpu bundle"):  # it compiles the selection
+    m = make_bundle(rest[0], fv.output, fv.variant, parse_sets(fv.set), fv.with_data)
   for note in m["notes"]:
     sys.stderr.write(f"bundle: {note}\n")
   n_data = sum(1 for f in m["files"].values() if f["kind"] == "data")
@@ -110,7 +110,7 @@ def cmd_watch(argv: list[str]) -> int:
   flags.DEFINE_float("timeout", None, "give up after this many seconds (exit 3)", flag_values=fv)
   flags.DEFINE_float("wait", 30.0, "seconds to wait for the status file to appear",
                      flag_values=fv)
-  rest = _parse(fv, argv, "watch")
+  rest = parse_flags(fv, argv, "watch")
   if len(rest) != 1:
     raise SxError("E-FORM-001", "sexpgpu watch takes one status file", where="the command line",
                   fix="sexpgpu watch run.status.json")
@@ -126,7 +126,7 @@ def cmd_plot(argv: list[str]) -> int:
   flags.DEFINE_list("metric", list(DEFAULT_METRICS), "metrics to draw, one panel each",
                     flag_values=fv)
   flags.DEFINE_string("output", "curves.png", "the PNG to write", short_name="o", flag_values=fv)
-  rest = _parse(fv, argv, "plot")
+  rest = parse_flags(fv, argv, "plot")
   if not rest:
     raise SxError("E-FORM-001", "sexpgpu plot takes one or more jsonl metrics files",
                   where="the command line", fix="sexpgpu plot run.jsonl -o curves.png")
@@ -146,4 +146,38 @@ def cmd_plot(argv: list[str]) -> int:
   return 0
 
 
-COMMANDS = {"sweep": cmd_sweep, "bundle": cmd_bundle, "watch": cmd_watch, "plot": cmd_plot}
+def cmd_coord_check(argv: list[str]) -> int:
+  """`sexpgpu coord-check FILE --widths 64,128,256,512 -o coord.png`: μP's coordinate check.
+
+  The coordinate check: each layer's mean |activation| over the first `--steps` against the
+  width (`--knob`), standard and μP (`--parametrization`); `--json` prints the numbers."""
+  from sexpgpu.tools import coordcheck
+  fv = flags.FlagValues()
+  selection_flags(fv)
+  flags.DEFINE_string("widths", "64,128,256,512", "the width knob's values", flag_values=fv)
+  flags.DEFINE_integer("steps", 5, "the first steps, on one fixed batch", flag_values=fv)
+  flags.DEFINE_string("knob", None, "the knob that sets the width (default: width, d-model, "
+                      "...)", flag_values=fv)
+  flags.DEFINE_string("parametrization", "both", "both, standard or mup", flag_values=fv)
+  flags.DEFINE_integer("base_width", None, "μP's :base-width (default: the file's, else the "
+                       "smallest width)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("output", "coord.png", "the PNG to write", short_name="o", flag_values=fv)
+  flags.DEFINE_bool("json", False, "print the numbers as one JSON object", flag_values=fv)
+  rest = parse_flags(fv, argv, "coord-check")
+  if len(rest) != 1 or not fv.output:
+    raise SxError("E-FORM-001", "sexpgpu coord-check takes one experiment file and -o PNG",
+                  where="the command line",
+                  fix="sexpgpu coord-check my-run.sx --widths 64,128,256,512 -o coord.png")
+  opts = coordcheck.Options(rest[0], coordcheck.parse_widths(fv.widths), fv.steps, fv.knob,
+                            fv.parametrization, fv.base_width, fv.variant, parse_sets(fv.set),
+                            fv.output)
+  with python_trust(fv.trust_python, False, "sexpgpu coord-check"):  # it compiles as run does
+    result = coordcheck.coord_check(opts)
+  coordcheck.plot(result, fv.output)
+  sys.stdout.write(coordcheck.to_json(result) + "\n" if fv.json else coordcheck.table(result))
+  sys.stderr.write(f"coord-check: {fv.output}\n")
+  return 0
+
+
+COMMANDS = {"sweep": cmd_sweep, "bundle": cmd_bundle, "watch": cmd_watch, "plot": cmd_plot,
+            "coord-check": cmd_coord_check}

@@ -9,6 +9,7 @@ import optax
 
 from sexpgpu.errors import SxError
 from sexpgpu.ir import roles
+from sexpgpu.ir import mup
 from sexpgpu.ir.graph import Graph, Init
 from sexpgpu.front.optimizers import KEYWORDS, OPTIMIZERS, SCHEDULES, names_text
 from sexpgpu.front.values import Spec
@@ -80,14 +81,59 @@ def _mask_of(spec: Spec, graph: Graph | None):
                          for k, v in params.items()}
 
 
+def lr_factors(spec: Spec, graph: Graph | None) -> dict[str, float]:
+  """Each parameter's μP learning-rate factor (lower/mup.py: TP5's Table 3, Adam's or SGD's
+  column by the optimizer; Muon's matrices 1, its AdamW part Adam's); {} when the run is
+  not under μP or there is no graph to read roles from."""
+  base = mup.base_width(spec)
+  if base is None or graph is None:
+    return {}
+  plan = mup.plan(graph, int(base), spec.loc)
+  opts = optimizer_of(spec, graph)
+  return {path: plan.lr(path, opts[path]) for path in graph.params}
+
+
+def mup_cells(spec: Spec, graph: Graph):
+  """For `check --print params` under μP: each parameter's cells (init-std multiplier,
+  learning-rate multiplier under this optimizer, output multiplier), the columns' heads and
+  a summary line; None when the run is standard."""
+  base = mup.base_width(spec)
+  if base is None:
+    return None
+  plan = mup.plan(graph, int(base), spec.loc)
+  factors = lr_factors(spec, graph)
+  cells = {path: (f"{r.init:.4g}", f"{factors[path]:.4g}", f"{r.output:.4g}" if r.output != 1
+                  else "-") for path, r in plan.rules.items()}
+  line = (f"mup: width {plan.width} (the readout's fan-in) / :base-width {plan.base} = m "
+          f"{plan.ratio:g}; init× is what the written init's std was multiplied by (the init "
+          f"column shows the result), lr× multiplies the {spec.name} "
+          f"step, out× the readout's product (Tensor Programs V, Table 3 with its output "
+          f"multiplier)")
+  return cells, ("init×", "lr×", "out×"), "\n".join([line] + [f"warning: {w}"
+                                                              for w in plan.warnings])
+
+
+def scale_each(factors: dict[str, float]) -> optax.GradientTransformation:
+  """Multiplies each parameter's update by its factor (1 for one not named): an
+  optax.partition of optax.scale transforms, one for each distinct factor. Applied after the
+  optimizer's chain, it scales the step as a per-parameter learning rate would (AdamW's
+  decoupled decay too, as the `mup` package's MuAdamW scales each group's lr)."""
+  groups = sorted(set(factors.values()) | {1.0})
+  names = {f: f"x{i}" for i, f in enumerate(groups)}
+  return optax.partition({names[f]: optax.scale(f) for f in groups},
+                         lambda params: {k: names[factors.get(k, 1.0)] for k in params})
+
+
 def make_optimizer(spec: Spec, steps: int, graph: Graph | None = None
                    ) -> tuple[optax.GradientTransformation, Any]:
   """The optax chain for an optimizer Spec, and its learning-rate schedule.
 
   The chain is the optimizer's entry in front/optimizers.py, behind clip_by_global_norm
   (`:clip`) and, for an optimizer that does not decouple it, add_decayed_weights
-  (`:weight-decay`). Muon's split (hidden and expert matrices, the rest) is `matrices`. The decay reaches the parameters `decay_mask` chooses from `graph` (the
-  loss graph), or without one those of rank ≥ 2.
+  (`:weight-decay`). Muon's split (hidden and expert matrices, the rest) is `matrices`. The
+  decay reaches the parameters `decay_mask` chooses from `graph` (the loss graph), or without
+  one those of rank ≥ 2. Under μP (`:parametrization mup`, carried by the Spec) each
+  parameter's update is then scaled by its learning-rate factor (`lr_factors`).
 
   Raises:
     SxError: E-RUN-002 for an optimizer the table lacks, a bad learning rate or decay
@@ -110,5 +156,8 @@ def make_optimizer(spec: Spec, steps: int, graph: Graph | None = None
   if wd and not entry.decoupled:
     parts.append(optax.add_decayed_weights(wd, mask=mask))
   parts.append(entry.chain(lr, kw, mask, None if graph is None else matrices(graph)))
+  factors = lr_factors(spec, graph)
+  if factors:
+    parts.append(scale_each(factors))
   sched = lr if callable(lr) else (lambda count, v=lr: v)
   return optax.chain(*parts), sched

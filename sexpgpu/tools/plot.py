@@ -144,7 +144,7 @@ def plot(paths: list[str], metrics: list[str] | tuple[str, ...] = DEFAULT_METRIC
                   f"{MAX_PANELS}, a panel each", where="--metric",
                   fix=f"name 1 to {MAX_PANELS} metrics: --metric train/loss,eval/loss")
   if out is not None:
-    _check_output(out)
+    check_output_path(out)
   by_slug = read_events(paths, skipped)
   fig = Figure(figsize=(width, panel_height * len(metrics)), dpi=dpi)
   axes = fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
@@ -178,7 +178,7 @@ def plot(paths: list[str], metrics: list[str] | tuple[str, ...] = DEFAULT_METRIC
                   fix="name a step field (train/loss) or a pass metric (eval/loss)")
   fig.tight_layout()
   if out:
-    _save(fig, out)
+    save_figure(fig, out)
   return fig
 
 
@@ -186,7 +186,7 @@ def plot(paths: list[str], metrics: list[str] | tuple[str, ...] = DEFAULT_METRIC
 MAX_CURVES = 256
 
 
-def _check_output(out: str) -> None:
+def check_output_path(out: str) -> None:
   """Refuses an output that is there and is no regular file (a folder, a FIFO that would
   wait for a reader, a device) before anything is drawn."""
   try:
@@ -198,7 +198,7 @@ def _check_output(out: str) -> None:
                   "not a file", where="-o", fix="give -o a .png file path (curves.png)")
 
 
-def _save(fig, out: str) -> None:
+def save_figure(fig, out: str) -> None:
   """The figure as PNG, written beside `out` and renamed onto it."""
   import io
   from sexpgpu.paths import write_atomic
