@@ -6,7 +6,7 @@ import sys
 
 from absl import flags
 
-from sexpgpu.cli.main import _parse
+from sexpgpu.cli.main import parse_flags
 from sexpgpu.errors import SxError
 
 
@@ -18,6 +18,9 @@ def _tokenize_flags() -> flags.FlagValues:
                        lower_bound=1, flag_values=fv)
   flags.DEFINE_string("tokenizer", None, "a tokenizer.json to use instead (nothing is downloaded)",
                       flag_values=fv)
+  flags.DEFINE_bool("chars", False, "a character-level tokenizer instead: one token a "
+                    "character of the sources, ids in sorted order (nanoGPT's shakespeare_char)",
+                    flag_values=fv)
   flags.DEFINE_string("field", "text", "the text field of .jsonl lines and .parquet columns",
                       flag_values=fv)
   flags.DEFINE_string("eos", "<|endoftext|>", "the end-of-document token", flag_values=fv)
@@ -30,17 +33,17 @@ def _tokenize_flags() -> flags.FlagValues:
 
 
 def cmd_tokenize(argv: list[str]) -> int:
-  """`sexpgpu tokenize SOURCE... -o CACHE [--train-bpe V | --tokenizer FILE]`."""
+  """`sexpgpu tokenize SOURCE... -o CACHE [--train-bpe V | --tokenizer FILE | --chars]`."""
   from sexpgpu.tools.tokenize import Options, tokenize
   fv = _tokenize_flags()
-  rest = _parse(fv, argv, "tokenize")
+  rest = parse_flags(fv, argv, "tokenize")
   if not rest or not fv.output:
     raise SxError("E-FORM-001", "sexpgpu tokenize takes source files and -o CACHE",
                   where="the command line",
                   fix="sexpgpu tokenize configs/data/*.txt -o cache/ --train-bpe 2048")
   opts = Options(sources=tuple(rest), output=fv.output, train_bpe=fv.train_bpe,
                  tokenizer=fv.tokenizer, field=fv.field, eos=fv.eos, workers=fv.workers,
-                 as_=fv["as"].value)
+                 as_=fv["as"].value, chars=fv.chars)
   summary = tokenize(opts)
   sys.stderr.write(summary.line(fv.output) + "\n")
   return 0

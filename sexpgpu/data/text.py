@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from sexpgpu import bounded
 from sexpgpu.data import base, remote, textcache
 from sexpgpu.data.files import RecordOrder
 from sexpgpu.data.spec import (SEED_LIMIT, ArgTable, LoaderSpec, form_error, fraction_range,
@@ -19,6 +20,9 @@ TAG_TEXT_OFFSETS = 7
 _I32 = np.dtype(np.int32)
 PACKS = ("concat", "docs")
 OFFSETS = ("random", "fixed")
+SPLIT_BY = ("tokens", "documents")
+# The largest text file read whole and tokenized by characters (the tokenize command's bound).
+TEXT_FILE_BYTES = bounded.GiB
 
 
 class _Order(RecordOrder):
@@ -41,8 +45,16 @@ class TextLoader(base.Loader):
   """`(text "cache/" :seq N :batch B [:pack concat|docs] [:offsets random|fixed] [:split [a b]] ...)`.
 
   The cache is what `sexpgpu tokenize` writes (a folder, or s3:// / gs://
-  fetched shard by shard into the data cache). `:split [a b]` keeps documents
-  floor(a·D) … floor(b·D)−1 of the cache's D. `:pack concat` lays those
+  fetched shard by shard into the data cache). A local text file instead of a
+  folder is read as one document of characters, tokenized as `sexpgpu tokenize
+  FILE --chars` would (ids in sorted order of its characters, the
+  end-of-document id last; `sample` decodes with that tokenizer).
+  `:split [a b]` under `:split-by "documents"` keeps documents floor(a·D) …
+  floor(b·D)−1 of the cache's D; under `:split-by "tokens"` it keeps tokens
+  floor(a·T) … floor(b·T)−1 of the cache's T, end to end (a document cut at an
+  edge keeps its part inside: one book splits 90/10 as nanoGPT's prepare.py
+  does). The default is tokens for a cache of one document, documents for
+  more. `:pack concat` lays those
   documents end to end and cuts rows of N (the last row padded); `:pack docs`
   places whole documents (a longer one cut into pieces of N) into rows first-fit
   in order, the rest of a row padding. The row layout is fixed by the cache and
@@ -63,8 +75,8 @@ class TextLoader(base.Loader):
   kind = "text"
   arg_table = ArgTable(("path", "seq", "batch"),
                        {"pack": "concat", "split": (0, 1), "shuffle": None, "stream": 0,
-                        "seed": 0, "vocab": 0, "offsets": None},
-                       {"pack": PACKS, "offsets": OFFSETS})
+                        "seed": 0, "vocab": 0, "offsets": None, "split-by": None},
+                       {"pack": PACKS, "offsets": OFFSETS, "split-by": SPLIT_BY})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
@@ -92,9 +104,15 @@ class TextLoader(base.Loader):
                        "write :shuffle true or :shuffle false")
     stream = positive_int(spec, args, "stream", minimum=0)
     own_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
-    self.manifest, files = _open_cache(spec, self.uri, ctx.cache_dir)
+    # a text file's character tokenizer (tokenizer.json's text), read by `sample`
+    self.tokenizer_json: str | None = None
+    local = None if remote.is_remote(self.uri) else _local(spec, self.uri)
+    if local is not None and os.path.isfile(local):
+      self.manifest, files = self._open_text(local)
+    else:
+      self.manifest, files = _open_cache(spec, self.uri, ctx.cache_dir)
     # the cache's local folder (its tokenizer.json beside the shards), None when remote
-    self.folder = None if remote.is_remote(self.uri) else _local(spec, self.uri)
+    self.folder = None if self.tokenizer_json is not None else local
     self.eos = int(self.manifest["tokenizer"]["eos_id"])
     self.vocab = int(self.manifest["tokenizer"]["vocab"])
     if args["vocab"] and positive_int(spec, args, "vocab") < self.vocab:
@@ -102,20 +120,17 @@ class TextLoader(base.Loader):
                        f"the cache's tokenizer has {self.vocab} tokens, more than :vocab "
                        f"{args['vocab']}",
                        f"raise :vocab (and the model's) to at least {self.vocab}")
-    self._shards, starts, ends = self._read_shards(files)
-    total = len(starts)
-    d0, d1 = math.floor(split[0] * total), math.floor(split[1] * total)
-    self.documents = d1 - d0
-    if self.documents == 0:
-      raise load_error("E-LOAD-002", spec, self.uri, f"the split {list(split)} holds no document "
-                       f"of the cache's {total}", "widen :split, or tokenize more text")
-    self._base = int(starts[d0])
-    self.tokens = int(ends[d1 - 1]) - self._base
-    self._bounds = np.append(starts[d0:d1] - self._base, self.tokens)  # document starts, then T
+    self._shards, starts, ends = (files if self.tokenizer_json is not None
+                                  else self._read_shards(files))
+    self.split_by = str(args["split-by"] or ("tokens" if len(starts) == 1 else "documents"))
+    if self.split_by == "tokens":
+      self._split_tokens(split, starts, ends)
+    else:
+      self._split_documents(split, starts, ends)
     if self.pack == "concat":
       self.records = -(-self.tokens // self.seq)
     else:
-      self._rows = _first_fit(np.diff(self._bounds), self.seq)
+      self._rows = first_fit(np.diff(self._bounds), self.seq)
       self.records = len(self._rows[0]) - 1
     if self.records < self.batch_size:
       raise load_error("E-LOAD-002", spec, self.uri,
@@ -127,6 +142,63 @@ class TextLoader(base.Loader):
     shape = (self.batch_size, self.seq)
     self.fields = {"tokens": (shape, _I32), "segments": (shape, _I32),
                    "positions": (shape, _I32)}
+
+  def _split_documents(self, split, starts: np.ndarray, ends: np.ndarray) -> None:
+    """Keeps documents floor(a·D) … floor(b·D)−1, whole."""
+    total = len(starts)
+    d0, d1 = math.floor(split[0] * total), math.floor(split[1] * total)
+    self.documents = d1 - d0
+    if self.documents == 0:
+      raise load_error(
+          "E-LOAD-002", self.spec, self.uri,
+          f"the split {list(split)} holds no document of the cache's {total}: under "
+          ':split-by "documents" it counts whole documents, and '
+          f"floor({split[0]:g}·{total}) = floor({split[1]:g}·{total}) = {d0}",
+          f'write :split-by "tokens" to split by tokens within the documents ({total} '
+          f"document{'s' if total != 1 else ''} cut {split[0]:g}…{split[1]:g} by tokens), or "
+          "widen :split, or tokenize more documents")
+    self._base = int(starts[d0])
+    self.tokens = int(ends[d1 - 1]) - self._base
+    self._bounds = np.append(starts[d0:d1] - self._base, self.tokens)  # document starts, then T
+
+  def _split_tokens(self, split, starts: np.ndarray, ends: np.ndarray) -> None:
+    """Keeps tokens floor(a·T) … floor(b·T)−1 end to end; a document cut at an edge is its
+    part inside (nanoGPT's `data[:int(n*0.9)]`, `data[int(n*0.9):]`)."""
+    total = int(ends[-1])
+    t0, t1 = math.floor(split[0] * total), math.floor(split[1] * total)
+    if t1 <= t0:
+      raise load_error(
+          "E-LOAD-002", self.spec, self.uri,
+          f"the split {list(split)} holds no token of the cache's {total} "
+          f'(:split-by "tokens")', f"widen :split to hold at least one of the {total} tokens "
+          "(such as [0.9 1]), or tokenize more text")
+    inside = np.flatnonzero((starts < t1) & (ends > t0))
+    self.documents = len(inside)
+    self._base = t0
+    self.tokens = t1 - t0
+    self._bounds = np.append(np.maximum(starts[inside], t0) - t0, self.tokens)
+
+  def _open_text(self, path: str):
+    """A text file as a one-document cache in memory: its manifest, and (shards, starts, ends).
+
+    Raises:
+      SxError: E-TOK-001 for a file that is not UTF-8 text or larger than TEXT_FILE_BYTES.
+    """
+    text = bounded.read_text(path, limit=TEXT_FILE_BYTES, what="text file", code="E-TOK-001",
+                             where=path, fix="give the text loader a UTF-8 text file of at most "
+                             f"{bounded.size_text(TEXT_FILE_BYTES)} (tokenized by characters), "
+                             "or a token cache folder that `sexpgpu tokenize` wrote")
+    if not text:
+      raise load_error("E-LOAD-002", self.spec, path, "the text file is empty",
+                       "write the text into the file (one book, UTF-8)")
+    points = np.frombuffer(text.encode("utf-32-le"), np.uint32)  # a code point a character
+    alphabet = np.unique(points)  # sorted, as char_vocabulary sorts them
+    chars = [chr(int(p)) for p in alphabet]
+    self.tokenizer_json = textcache.char_tokenizer(chars).to_str()
+    tokens = np.append(np.searchsorted(alphabet, points).astype(np.int32),
+                       np.int32(len(chars)))  # the end-of-document token, as a cache
+    manifest = {"tokenizer": {"eos_id": len(chars), "vocab": len(chars) + 1, "eos": textcache.EOS}}
+    return manifest, ([(0, tokens)], np.array([0], np.int64), np.array([len(tokens)], np.int64))
 
   def _read_shards(self, files: dict[str, str]):
     """Memory-maps each whole shard; the global start and end of every document."""
@@ -242,14 +314,14 @@ class TextLoader(base.Loader):
     """Kind, field types, rows, the cache, its documents, tokens, vocabulary and padding."""
     return {**super().describe(), "file": remote.redact(self.uri), "documents": self.documents,
             "tokens": self.tokens, "vocab": self.vocab, "padding": self.padding(),
-            "offsets": self.offsets,
+            "offsets": self.offsets, "split_by": self.split_by,
             "summary": f"{self.documents} document{'s' if self.documents != 1 else ''}, "
                        f"{self.tokens} tokens, vocabulary "
                        f"{self.vocab}, padding {100 * self.padding():.1f}%, "
-                       f"offsets {self.offsets}"}
+                       f"offsets {self.offsets}, split by {self.split_by}"}
 
 
-def _first_fit(lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def first_fit(lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Packs documents into rows of n, first-fit in order, longer ones cut into pieces of n.
 
   Args:
@@ -307,9 +379,12 @@ def _open_cache(spec: LoaderSpec, uri: str, cache_dir: str | None):
     return manifest, files
   local = _local(spec, uri)
   if not os.path.isdir(local):
-    raise load_error("E-LOAD-001", spec, local, "no such token cache folder",
+    raise load_error("E-LOAD-001", spec, local, "no such token cache folder or text file",
                      f"build it with `sexpgpu tokenize TEXT... -o {os.path.relpath(local)} "
-                     f"--train-bpe 2048` (the path is relative to the .sx file)")
+                     f"--train-bpe 2048`, or name a text file (read by characters; the "
+                     "Shakespeare of configs/shakespeare-char.sx and char-speedrun.sx: "
+                     f"`python benchmarks/prepare_shakespeare.py {os.path.dirname(local) or '.'}`"
+                     "); the path is relative to the .sx file")
   manifest = _manifest(spec, uri, local)
   files = {entry["shard"] + ext: os.path.join(local, entry["shard"] + ext)
            for entry in manifest["shards"] for ext in (".idx", ".bin")}

@@ -74,3 +74,53 @@ def shard_problem(folder: str, entry: dict[str, Any], dtype: np.dtype) -> str | 
     if have != want:
       return f"{path}: {have} bytes, the manifest says {want} (truncated or rewritten)"
   return None
+
+
+EOS = "<|endoftext|>"
+
+
+def char_vocabulary(texts) -> list[str]:
+  """The distinct characters of some texts in sorted order (nanoGPT's shakespeare_char ids)."""
+  seen: set[str] = set()
+  for t in texts:
+    seen.update(t)
+  return sorted(seen)
+
+
+def char_tokenizer(chars: list[str], eos: str = EOS):
+  """A character-level `tokenizers.Tokenizer`: id i is chars[i], `eos` the last id.
+
+  Built with the library's own parts, no regex over the text's alphabet: a BPE
+  model holding each character and no merges, a pre-tokenizer that isolates
+  every character (`[\\s\\S]`, newlines and non-ASCII included) and a Fuse
+  decoder, so `decode(encode(text).ids) == text` for any text of these
+  characters. A character outside them is dropped by `encode`
+  (`char_unknown` finds them first).
+
+  Args:
+    chars: the distinct characters, in id order.
+    eos: the end-of-document token (a special token, id len(chars)).
+
+  Returns:
+    The tokenizer; `to_str()` is its tokenizer.json.
+  """
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+  tok = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
+  return tok
+
+
+def char_unknown(tok, text: str) -> list[str]:
+  """The characters of `text` that a tokenizer drops (no token's offsets cover them).
+
+  Whitespace counts only for a tokenizer whose vocabulary holds some whitespace character
+  as a token of its own (a character-level one); WordPiece's, which drop spaces by design,
+  are not faulted for it.
+  """
+  covered = [False] * len(text)
+  for a, b in tok.encode(text, add_special_tokens=False).offsets:
+    covered[a:b] = [True] * (b - a)
+  spaces = any(t.isspace() and len(t) == 1 for t in tok.get_vocab())
+  return sorted({ch for ch, c in zip(text, covered) if not c and (spaces or not ch.isspace())})

@@ -51,6 +51,9 @@ class Options:
     workers: tokenizer threads, or None for all cores.
     as_: "text", "jsonl" or "parquet": how to read every source, or None to go
       by extension (.txt, .md, .rst and files without one are text).
+    chars: a character-level tokenizer of the sources' characters instead (ids
+      in their sorted order, nanoGPT's shakespeare_char; the end-of-document
+      token last).
   """
 
   sources: tuple[str, ...]
@@ -61,6 +64,7 @@ class Options:
   eos: str = "<|endoftext|>"
   workers: int | None = None
   as_: str | None = None
+  chars: bool = False
 
 
 @dataclasses.dataclass
@@ -297,10 +301,15 @@ def _sha256(data: bytes) -> str:
 
 
 def _check_options(opts: Options) -> None:
-  if (opts.train_bpe is None) == (opts.tokenizer is None):
-    raise SxError("E-FORM-001", "sexpgpu tokenize needs one of --train-bpe V and --tokenizer FILE",
+  given = [f for f, on in (("--train-bpe", opts.train_bpe is not None),
+                           ("--tokenizer", opts.tokenizer is not None), ("--chars", opts.chars))
+           if on]
+  if len(given) != 1:
+    raise SxError("E-FORM-001", "sexpgpu tokenize needs one of --train-bpe V, --tokenizer FILE "
+                  "and --chars" + (f", given {' and '.join(given)}" if given else ""),
                   where="the command line",
-                  fix="sexpgpu tokenize data/*.txt -o cache/ --train-bpe 2048")
+                  fix="sexpgpu tokenize data/*.txt -o cache/ --train-bpe 2048 (or --chars: "
+                  "one token a character)")
   if opts.train_bpe is not None and opts.train_bpe < BPE_MIN:
     raise SxError("E-FORM-001", f"--train-bpe {opts.train_bpe}: a byte-level BPE needs at least "
                   "257 tokens (256 bytes and the end-of-document token)",
@@ -458,6 +467,8 @@ def _tokenizer(opts: Options, sources: list[Source], reader: _Reader, old: dict[
     return tok, data, None
   from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
   trained = {"vocab": opts.train_bpe, "sources": _sha256("\n".join(reader.shas).encode())}
+  if opts.chars:
+    trained = {"chars": True, "sources": trained["sources"]}
   prev = old.get("tokenizer") or {}
   if prev.get("trained") == trained:
     data = store.read(textcache.TOKENIZER)
@@ -468,6 +479,9 @@ def _tokenizer(opts: Options, sources: list[Source], reader: _Reader, old: dict[
     for i, s in enumerate(sources):
       yield from documents(s, reader.data(i, keep=True), opts.field)
 
+  if opts.chars:  # the sorted characters of every document: nanoGPT's shakespeare_char ids
+    tok = textcache.char_tokenizer(textcache.char_vocabulary(texts()), opts.eos)
+    return tok, tok.to_str().encode("utf-8"), trained
   tok = train_bpe(texts(), opts.train_bpe, opts.eos, show_progress=progress)
   _check_vocab_fits_data(opts, sources)  # after the sources' own errors; the trainer stops
   # at what the text gives, and a vocabulary within BPE_MAX never strains it
