@@ -25,7 +25,7 @@ from sexpgpu.run.compile import Compiled, cache_dir
 from sexpgpu.run.devices import CompileCounter
 from sexpgpu.run.feed import Feed
 from sexpgpu.run.passes import Passes
-from sexpgpu.run.progress import Progress, Summary
+from sexpgpu.run.progress import CompileLine, Progress, Summary
 from sexpgpu.run.evaluating import Evaluators
 from sexpgpu.run.sampling import Samplers
 from sexpgpu.run.saving import Saver
@@ -68,12 +68,15 @@ def run_compiled(compiled: Compiled, opts: RunOptions) -> Summary:
   progress = Progress.begin(compiled.slug, int(compiled.exp.run["steps"]),
                             StatusFile(opts.status if node == 0 else None),  # node 0 writes it
                             compiled.passes)
+  line = None if opts.quiet else CompileLine.start()  # on a terminal only
   try:
     return _train(compiled, opts, nodes_cfg, node, counter, progress, t_begin)
   except SxError as e:
     progress.failed(e.code, e.message)
     raise
   finally:
+    if line is not None:
+      line.close()
     gc.unfreeze()  # a notebook may compile and run again in this process
 
 

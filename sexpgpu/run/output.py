@@ -12,6 +12,9 @@ from sexpgpu.paths import scrub
 # The streams found closed (a reader such as `| head -1` that went away): nothing more is
 # written to them, and the run goes on.
 _CLOSED: set[int] = set()
+# The transient line shown on a terminal's standard error while compiling
+# (progress.CompileLine), erased before any line is written there; empty off a terminal.
+TRANSIENT: list = []
 
 
 def write(stream: TextIO, text: str) -> bool:
@@ -30,9 +33,16 @@ def write(stream: TextIO, text: str) -> bool:
   fd = _fileno(stream)
   if (fd if fd >= 0 else id(stream)) in _CLOSED:
     return False
+  line = TRANSIENT[0] if TRANSIENT else None
   try:
-    stream.write(text)
-    stream.flush()
+    if line is not None and stream is line.stream:
+      with line.lock:  # the transient line erased first, and not drawn over this one
+        line.erase()
+        stream.write(text)
+        stream.flush()
+    else:
+      stream.write(text)
+      stream.flush()
     return True
   except (BrokenPipeError, ValueError, OSError):
     _silence(stream, fd)

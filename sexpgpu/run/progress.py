@@ -6,8 +6,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import sys
+import threading
 import time
 from typing import Any
+
+from sexpgpu.run import output
 
 
 @dataclasses.dataclass
@@ -126,3 +130,144 @@ def stopped_at_start(previous, stopped_by: str) -> dict:
   status.setdefault("started_at", now)
   status.setdefault("step", 0)
   return status
+
+
+# JAX's monitoring event of one XLA compile: a scalar at its start, a duration at its end,
+# each with the jitted function's name (a persistent-cache hit passes here too).
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# A compile shows once it has run this long (a cache hit is done sooner); the line stays
+# this long after the last one ends, so that the next does not make it flicker.
+SHOW_AFTER_S = 0.1
+LINGER_S = 0.5
+# The jitted functions a run compiles, as the line names them (lower/step.py, fsdp.py).
+COMPILING = {"_full_step": "the train step", "_dp_step": "the train step",
+             "_sharded_full": "the train step", "_apply": "the update",
+             "_dp_update": "the update", "_sharded_update": "the update",
+             "_chunk_grads": "a microbatch's gradients", "_sharded_chunk":
+             "a microbatch's gradients", "_zeros": "the accumulators",
+             "_sharded_zeros": "the accumulators", "_metrics": "a pass's metrics",
+             "<lambda>": "a small function"}
+
+
+class CompileLine:
+  """On a terminal, a transient line on standard error while XLA compiles: what, how many
+  executables the run has built so far, and the seconds spent compiling since the first.
+
+  It is erased before any other line is written there (output.write), when the compiles
+  stop, and at close; off a terminal it is never started, and the run's lines are the same
+  byte for byte.
+  """
+
+  _listening = False
+  _active: "CompileLine | None" = None
+
+  def __init__(self, stream):
+    self.stream = stream
+    self.lock = threading.RLock()
+    self._cond = threading.Condition(self.lock)
+    self.built = 0
+    self.current: str | None = None
+    self._since = 0.0  # the current compile's start (monotonic)
+    self._ended = 0.0  # the last compile's end
+    self._first: float | None = None
+    self._shown = False
+    self._closed = False
+    self._thread = threading.Thread(target=self._tick, name="sexpgpu-compile-line",
+                                    daemon=True)
+
+  @classmethod
+  def start(cls, stream=None) -> "CompileLine | None":
+    """Starts the line when `stream` (standard error by default) is a terminal.
+
+    Returns:
+      The CompileLine (close it at the run's end), or None off a terminal.
+    """
+    stream = sys.stderr if stream is None else stream
+    try:
+      if not stream.isatty():
+        return None
+    except (AttributeError, ValueError, OSError):
+      return None
+    if not cls._listening:
+      import jax
+      jax.monitoring.register_scalar_listener(
+          lambda event, value, **kw: cls._on(event, kw, True))
+      jax.monitoring.register_event_duration_secs_listener(
+          lambda event, secs, **kw: cls._on(event, kw, False))
+      cls._listening = True
+    line = cls(stream)
+    cls._active = line
+    output.TRANSIENT[:] = [line]
+    line._thread.start()
+    return line
+
+  @classmethod
+  def _on(cls, event: str, kw: dict, started: bool) -> None:
+    line = cls._active
+    if line is None or event != BACKEND_COMPILE:
+      return
+    name = str(kw.get("fun_name", ""))
+    with line._cond:
+      now = time.monotonic()
+      if started:
+        line.current, line._since = name, now
+        line._first = now if line._first is None else line._first
+      else:
+        line.built += 1
+        line.current, line._ended = None, now
+      line._cond.notify()
+
+  def text(self, now: float) -> str:
+    """The line as it reads at `now` (monotonic seconds)."""
+    name = (self.current or "").removeprefix("jit(").removesuffix(")")
+    what = COMPILING.get(name, name or "-")
+    secs = now - (self._first if self._first is not None else now)
+    return (f"compiling {what}: {self.built} executable{'s' if self.built != 1 else ''} "
+            f"built, {secs:.1f}s")
+
+  def _tick(self) -> None:
+    with self._cond:
+      while not self._closed:
+        now = time.monotonic()
+        if self.current is not None and now - self._since >= SHOW_AFTER_S:
+          self._draw(self.text(now))
+          self._cond.wait(0.25)
+        elif self.current is not None:
+          self._cond.wait(SHOW_AFTER_S - (now - self._since))
+        elif self._shown and now - self._ended < LINGER_S:
+          self._cond.wait(LINGER_S - (now - self._ended))
+        else:
+          self.erase()
+          self._cond.wait()
+
+  def _draw(self, text: str) -> None:
+    cut = text[:max(output.width() - 1, 10)]
+    try:
+      self.stream.write("\r\x1b[K" + cut)
+      self.stream.flush()
+      self._shown = True
+    except (OSError, ValueError):
+      self._closed = True
+
+  def erase(self) -> None:
+    """Erases the line when it shows (the caller holds `lock` or is its thread)."""
+    with self.lock:
+      if self._shown:
+        self._shown = False
+        try:
+          self.stream.write("\r\x1b[K")
+          self.stream.flush()
+        except (OSError, ValueError):
+          self._closed = True
+
+  def close(self) -> None:
+    """Erases the line and stops its thread."""
+    with self._cond:
+      self._closed = True
+      self.erase()
+      self._cond.notify()
+    self._thread.join(timeout=2)
+    with self.lock:
+      if CompileLine._active is self:
+        CompileLine._active = None
+        output.TRANSIENT[:] = []

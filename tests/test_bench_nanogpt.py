@@ -1,0 +1,62 @@
+"""What benchmarks/bench_nanogpt.py compares, held without timing: the twin and
+configs/shakespeare-char.sx hold the same parameters, and how many executables a run of
+the config builds."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, sexpgpu_cmd
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+CONFIG = os.path.join(ROOT, "configs", "shakespeare-char.sx")
+# What a run of the config builds, counted from its `timing kernels` line (compiled + cache
+# hits, so a warm cache counts the same), measured: the train step, the pass's metrics, the
+# parameters' initializer, the optimizer state's (one, not one per zero buffer: 10 before),
+# the CPU peak's matmul probe (3: a convert, a broadcast, the matmul), and the pass's sum
+# (an `add`). 18 before the init's buffers and the counters' converts were folded away.
+EXECUTABLES = 8
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+  """A small text of 40 distinct characters (fewer than the config's vocab 78 - 1)."""
+  path = tmp_path_factory.mktemp("nanogpt") / "input.txt"
+  lines = [f"{'abcdefghijklmnopqrstuvwxyz'[i % 26] * (i % 7 + 1)} THE KING {i % 10}.\n"
+           for i in range(600)]
+  path.write_text("".join(lines))
+  return str(path)
+
+
+def test_the_twin_and_the_experiment_hold_the_same_parameters(text):
+  from sexpgpu.run.compile import compile_file
+  import nanogpt_twin
+  c = compile_file(CONFIG, sets=[("text", text), ("eval-batches", "1")])
+  ours = 0
+  for p in c.params.values():
+    n = 1
+    for d in p.full_shape:
+      n *= int(d)
+    ours += n
+  knobs = {k: v.value for k, v in c.selection.knobs.items()}
+  twin = nanogpt_twin.parameter_count(int(knobs["vocab"]), block=int(knobs["block-size"]),
+                                      layers=int(knobs["layers"]), heads=int(knobs["heads"]),
+                                      width=int(knobs["width"]), bias=True)
+  assert ours == twin == 811_520
+
+
+def test_a_run_builds_the_executables_measured(text, tmp_path):
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+             SEXPGPU_CACHE_DIR=str(tmp_path / "sx"))
+  r = subprocess.run(sexpgpu_cmd("run", CONFIG, "--variant", "smoke", "--set", f"text={text}",
+                                 "--steps", "2"),
+                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+  assert r.returncode == 0, r.stderr
+  m = re.search(r"^timing kernels (\d+) compiled in [\d.]+s, (\d+) cache hits$", r.stderr, re.M)
+  assert m, r.stderr
+  assert int(m.group(1)) + int(m.group(2)) == EXECUTABLES
+  assert int(m.group(2)) == 0  # an empty cache: every one compiled once
