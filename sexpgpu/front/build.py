@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from sexpgpu.errors import Loc, SxError, did_you_mean
+from sexpgpu.front import homes as _homes
 from sexpgpu.front.values import Batch, Builtin, Closure, Env, ParamRef, Spec
 from sexpgpu.ir.graph import Body, Graph, Init, Node, Param, type_str
 from sexpgpu.ir.roles import check_role
@@ -34,7 +35,7 @@ class Call:
 
 
 @dataclasses.dataclass
-class _Frame:
+class Frame:
   """A graph being built: the top level, or a repeat's body."""
 
   interned: dict
@@ -64,17 +65,20 @@ class Builder:
     self.knob_locs = dict(knob_locs or {})
     self.params: dict[str, Param] = {}
     self.selected_taps = set(selected_taps)
+    self._recorded: dict = {}  # a loss's calls of each function (front/homes.py)
     self._reset()
 
   def _reset(self) -> None:
     self.scope: list[str] = []
     self.counters: dict[tuple, int] = {}
     self.chain: list[str] = []
-    self.frames = [_Frame({}, (), [])]
+    self.frames = [Frame({}, (), [])]
     self.taps: dict[str, list[Node]] = {}
     self.used: dict[str, Param] = {}
     self.sites = 0
     self.allow_new_params = True
+    self.program = ""  # the graph being built ("loss", "eval/loss", "sample/lm")
+    self.calls: list[tuple[Closure, str | None]] = []  # named calls open, with their :as
 
   # --- entry points ----------------------------------------------------------
   def build(self, name: str, fn: Any, fields: dict[str, tuple[str, tuple[int, ...]]],
@@ -92,11 +96,15 @@ class Builder:
       (the graph, fn's value): the graph's output is that value when it is a tensor.
     """
     self._reset()
-    self.allow_new_params = allow_new_params
+    self.allow_new_params, self.program = allow_new_params, name
+    if allow_new_params:
+      _homes.start(self._recorded)
     inputs = {f: self._intern("input", (), (("field", f),), dt, sh, None)
               for f, (dt, sh) in fields.items()}
     self.chain = [name.split("/")[-1]]
     out = self.apply(fn, [Batch(inputs), *extra_args], {}, None, open_scope=False)
+    if allow_new_params:  # another program's call of a function the loss calls opens its scope
+      _homes.finish(self._recorded)
     return Graph(name, inputs, {"out": out} if is_tensor(out) else {}, dict(self.used),
                  dict(self.taps)), out
 
@@ -175,7 +183,30 @@ class Builder:
       scope_name, crumb = str(as_form.value), f"{fn.name}:{as_form.value}"
     else:
       scope_name, crumb = self._number(fn.name), fn.name
-    return self._in_scope(scope_name, crumb, lambda: self.eval_body(fn.body, env))
+    natural, where = tuple(self.scope) + (scope_name,), call.loc if call else fn.loc
+    as_name, stack = (scope_name if as_form is not None else None), self.frames[-1].stack
+    if self.allow_new_params:
+      _homes.record(self._recorded, fn, as_name, natural, stack, where)
+      home = None
+    else:  # the trained function the loss calls, whatever the path here
+      home = _homes.home(self.params, fn, as_name, natural, stack,
+                         _homes.who_of(self.program), where)
+    self.calls.append((fn, as_name))
+    try:
+      if home is None:
+        return self._in_scope(scope_name, crumb, lambda: self.eval_body(fn.body, env))
+      return self._at_home(home, crumb, lambda: self.eval_body(fn.body, env))
+    finally:
+      self.calls.pop()
+
+  def _at_home(self, scope: tuple[str, ...], crumb: str, thunk):
+    """`thunk` in the scope the loss gave a function, its numbering as the loss's."""
+    saved = self.scope, self.counters
+    self.scope, self.counters = list(scope[:-1]), {}
+    try:
+      return self._in_scope(scope[-1], crumb, thunk)
+    finally:
+      self.scope, self.counters = saved
 
   def _number(self, name: str) -> str:
     key = (tuple(self.scope), name)
@@ -195,8 +226,9 @@ class Builder:
   def _check_hidden_primitive(self, name: str, value: Any, call_loc: Loc | None) -> None:
     """Raises E-NAME-002 when a knob or def named like a primitive is called.
 
-    Every file shares one top level, so `(defknob top-k 2)` hides the primitive `top-k` from
-    the standard library's calls too; the fix belongs at the knob, not at the call.
+    The user's files share one top level (the standard library has its own namespaces,
+    front/namespaces.py), so `(defknob top-k 2)` hides the primitive `top-k` from the user's
+    own calls; the fix belongs at the knob, not at the call.
     """
     if name not in self.globals.vars or self.globals.vars[name] is not value:
       return
@@ -206,6 +238,8 @@ class Builder:
     if env is None or not isinstance(env.vars[name], (Builtin, Closure)):
       return
     what = "knob" if name in self.knob_locs else "def"
+    from sexpgpu.front.namespaces import hidden_std_function
+    hidden_std_function(name, what, env.vars[name], call_loc)  # a std function: its lib/name
     raise SxError("E-NAME-002", f"the {what} `{name}` hides the primitive `{name}`, which "
                   f"is called at {call_loc}", location=self.knob_locs.get(name, call_loc),
                   fix=f"rename the {what}: a top-level name must not be a primitive's")
@@ -388,7 +422,7 @@ class Builder:
     else:
       scope_name = self._number("repeat")
     outer = self.frames[-1]
-    frame = _Frame({}, outer.stack + (n,), [])
+    frame = Frame({}, outer.stack + (n,), [])
     self.frames.append(frame)
     carry = self._intern("carry", (), (("frame", id(frame)),), x.dtype, x.shape, form.loc)
     try:
@@ -419,9 +453,7 @@ class Builder:
       param = existing
     else:
       if not self.allow_new_params:
-        raise SxError("E-RUN-002", f"parameter {path} is created only by a pass metric, "
-                      "never by the loss, so training would never update it", location=loc,
-                      fix="create every parameter in the loss's functions")
+        raise _homes.untrained(path, _homes.who_of(self.program), self.chain, self.calls, loc)
       param = Param(path, shape, dtype, init, loc, stack)
       self.params[path] = param
     self.used[path] = param

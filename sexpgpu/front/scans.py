@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from sexpgpu.errors import SxError
-from sexpgpu.front.build import Builder, Call, _Frame, describe, is_tensor
+from sexpgpu.front.build import Builder, Call, Frame, describe, is_tensor
 from sexpgpu.front.values import Builtin, Closure
 from sexpgpu.ir.graph import TUPLE, Fn, Node, type_str
 from sexpgpu.ir.opdef import OPS
@@ -94,14 +94,14 @@ def _axis(call: Call, v: Any, xs: tuple[Node, ...], usage: str) -> int:
 
 
 def _body(b: Builder, call: Call, fn: Any, groups: list[tuple[Types, bool]]
-          ) -> tuple[tuple[Node, ...], Any, _Frame]:
+          ) -> tuple[tuple[Node, ...], Any, Frame]:
   """Builds `fn` on argument leaves of the given types in a frame of its own.
 
   Returns:
     (the argument leaves, fn's value, the frame its nodes were built in).
   """
   outer = b.frames[-1]
-  frame = _Frame({}, outer.stack, [])  # shared over positions: stacked only by repeats above
+  frame = Frame({}, outer.stack, [])  # shared over positions: stacked only by repeats above
   b.frames.append(frame)
   leaves: list[Node] = []
   values = []
@@ -120,7 +120,7 @@ def _body(b: Builder, call: Call, fn: Any, groups: list[tuple[Types, bool]]
   return tuple(leaves), out, frame
 
 
-def _outside(frame: _Frame, results: tuple[Node, ...]) -> list[Node]:
+def _outside(frame: Frame, results: tuple[Node, ...]) -> list[Node]:
   """The nodes built outside `frame` that the body reads, in the order they were made."""
   inside = {n.uid for n in frame.interned.values()}
   found, seen, todo = {}, set(), list(results)
@@ -136,7 +136,7 @@ def _outside(frame: _Frame, results: tuple[Node, ...]) -> list[Node]:
   return [found[u] for u in sorted(found)]
 
 
-def _drop_taps(b: Builder, frame: _Frame) -> None:
+def _drop_taps(b: Builder, frame: Frame) -> None:
   """Taps inside a scan's function record nothing: their values live only inside its loop."""
   inside = {n.uid for n in frame.interned.values()}
   for name in list(b.taps):
@@ -155,7 +155,7 @@ def _result(call: Call, out: Any, what: str, fix: str) -> tuple[tuple[Node, ...]
 
 
 def _node(b: Builder, call: Call, operands: tuple[Node, ...], carries: int, leaves, results,
-          frame: _Frame, axis: int, reverse: bool, types: Types) -> Node:
+          frame: Frame, axis: int, reverse: bool, types: Types) -> Node:
   outside = _outside(frame, results)
   _drop_taps(b, frame)
   params = tuple(dict.fromkeys(p for p in frame.params))

@@ -28,7 +28,7 @@ from sexpgpu.ir.ops import LowerCtx
 from sexpgpu.ir.printer import print_graph
 from sexpgpu.lower import interp
 from sexpgpu.lower.rules import lowering
-from sexpgpu.models.decode_rules import (DECODE, NoRule, Plan, _ax,  # noqa: F401 (NoRule: callers')
+from sexpgpu.models.decode_rules import (DECODE, NoRule, Plan, time_axis,  # noqa: F401 (NoRule: callers')
                                          part_axis)
 
 def plan(graph: Graph, window: int) -> Plan:
@@ -43,6 +43,44 @@ def plan(graph: Graph, window: int) -> Plan:
   if p.axes.get(out.uid) != len(out.shape) - 2:
     raise NoRule(out, "does not keep positions on the axis before the vocabulary")
   return p
+
+
+def limits(p: Plan) -> list[tuple[int, str]]:
+  """What bounds the positions the plan decodes: (the most positions, what) for each position
+  table read at the offset (its rows) and for the key/value caches of its sdpa regions (the
+  plan's window), the fewest first; none for a plan of carries and computed positions
+  (iotas), which decodes any length."""
+  found: list[tuple[int, str]] = []
+  for n in _every_node(p.graph.nodes()):
+    if n.uid not in p.tables:
+      continue
+    where = f" ({n.loc})" if n.loc is not None else ""
+    if n.op == "param":
+      found.append((n.shape[0], f"the learned position table `{n.attr('path')}`{where} of "
+                    f"{n.shape[0]} rows"))
+    else:
+      src, axis = n.inputs[0], n.attr("axis")
+      what = f"`{src.attr('path')}`" if src.op == "param" else "computed"
+      found.append((src.shape[axis], f"the position table {what}{where} of "
+                    f"{src.shape[axis]} rows"))
+  if p.attention:
+    n = p.attention[0]
+    where = f" ({n.loc})" if n.loc is not None else ""
+    found.append((p.window, f"the attention window of {p.window} positions (the key/value "
+                  f"cache of {len(p.attention)} `sdpa` region{'s' if len(p.attention) != 1 else ''}"
+                  f"{where})"))
+  return sorted(found, key=lambda f: f[0])
+
+
+def _every_node(nodes):
+  """The nodes and, after each, those of its body (a repeat's layer, a scan's function)."""
+  for n in nodes:
+    yield n
+    body = n.attr("body")
+    if isinstance(body, Fn):
+      yield from _every_node(walk(list(body.results)))
+    elif body is not None and hasattr(body, "output"):
+      yield from _every_node(walk([body.output]))
 
 
 _CARRY_ROLES = {"running": "running total kept (carry)", "recurrence": "recurrence state kept (carry)",
@@ -98,7 +136,7 @@ def _plan_nodes(p: Plan, nodes: list[Node], carries: dict[int, int | None]) -> N
 def _axis(p: Plan, n: Node) -> int | None:
   W = p.window
   ins = [i for i in n.inputs if isinstance(i, Node)]
-  axes = [_ax(p, i) for i in ins]
+  axes = [time_axis(p, i) for i in ins]
   timed = [(i, a) for i, a in zip(ins, axes) if a is not None]
   op = n.op
   if op == "input":

@@ -184,10 +184,16 @@ SPAN_STEP = 64
 PREFILL_STEP = 16
 
 
-def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings):
+def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings, path: str | None = None):
   """("incremental", plan, "") when the compiler derives a decode step for `fn` and the
-  continuation fits the window, else ("recompute", None, why). The plan's window is the
-  span the cache needs, not always the model's."""
+  continuation fits what bounds it (a plan of carries alone decodes any length), else
+  ("recompute", None, why). The plan's window is the span the cache needs, not always the
+  model's. `path` "recompute" slides the window past a table or an attention window.
+
+  Raises:
+    SxError: E-SAMPLE-002 when the continuation passes a position table or an attention
+      window and `path` does not ask for recompute.
+  """
   from sexpgpu.models import decode as dec
   if env.parse_choice("SEXPGPU_DECODE", env.get("SEXPGPU_DECODE"), ("recompute",)):
     return "recompute", None, "SEXPGPU_DECODE=recompute"
@@ -201,10 +207,20 @@ def choose_path(c, fn: str, w: int, n_prompt: int, s: Settings):
     pl = dec.plan(graph, span)
   except dec.NoRule as e:
     return "recompute", None, f"{e.describe()} has no incremental rule"
-  if need > w:
+  bounds = dec.limits(pl) if need > span else []
+  if not bounds or need <= bounds[0][0]:  # it fits, or carries and computed positions only
+    return "incremental", pl, ""
+  if path == "recompute":
     return "recompute", None, (f"the prompt and continuation ({n_prompt} + {s.tokens}) pass "
                                f"the window of {w} positions, which a cache cannot slide")
-  return "incremental", pl, ""
+  most = bounds[0][0]
+  room = most - n_prompt + 1
+  what = "; ".join(b[1] for b in bounds)
+  raise SxError("E-SAMPLE-002", f"`{fn}` decodes at most {most} positions: {what}; the "
+                f"prompt of {n_prompt} tokens and {s.tokens} new ones would need {need}",
+                where="--tokens", fix=f"ask for at most {room} tokens after this prompt "
+                f"(--tokens {room}), or pass --window recompute to slide the window, each "
+                f"new token recomputed from the last {w} without what came before")
 
 
 def check_prompt(c, fn: str, prompt: list[int], where: str = "--prompt") -> list[int]:
@@ -247,7 +263,7 @@ def decoder(c, fn: str, longest_prompt: int, s: Settings, path: str | None = Non
   """The decoder of `fn` for prompts of up to `longest_prompt` tokens: incremental when the
   compiler derives a decode step (and `path` does not ask for recompute)."""
   w = window(c, fn)
-  chosen, pl, why = choose_path(c, fn, w, longest_prompt, s)
+  chosen, pl, why = choose_path(c, fn, w, longest_prompt, s, path)
   if path == "recompute" and chosen == "incremental":
     chosen, pl, why = "recompute", None, "asked for"
   if chosen == "incremental":
@@ -260,10 +276,12 @@ def decoder(c, fn: str, longest_prompt: int, s: Settings, path: str | None = Non
 
 def generate(c, fn: str, params: dict, prompt: list[int], s: Settings,
              path: str | None = None) -> Result:
-  """`s.tokens` tokens after `prompt` from the model `fn` of experiment `c`.
+  """`s.tokens` tokens after `prompt` from the model `fn` of experiment `c`; `path`
+  "recompute" recomputes the window for every token (and slides it past its end).
 
   Raises:
-    SxError: E-FORM-001 for an empty prompt or a token outside the vocabulary.
+    SxError: E-FORM-001 for an empty prompt or a token outside the vocabulary; E-SAMPLE-002
+      for a continuation past a position table or attention window (without recompute).
   """
   prompt = check_prompt(c, fn, prompt)
   d = decoder(c, fn, len(prompt), s, path)
@@ -289,8 +307,10 @@ def tokenizer_of(c, given: str | None):
   cache, or None: then prompts and continuations are token ids."""
   from tokenizers import Tokenizer
   path = given if given is not None else tokenizer_path(c)
-  if path is None:
-    return None
+  if path is None:  # a text loader reading a text file by characters made its own
+    made = [ld.tokenizer_json for ld in c.loaders.values()
+            if isinstance(getattr(ld, "tokenizer_json", None), str)]
+    return Tokenizer.from_str(made[0]) if made else None
   text = bounded.read_text(path, limit=TOKENIZER_BYTES, what="tokenizer", code="E-TOK-002",
                            where="--tokenizer", fix="pass a tokenizer.json file (a Llama 3 "
                            "one is 9 MiB)")
@@ -299,6 +319,32 @@ def tokenizer_of(c, given: str | None):
   except Exception as e:  # pylint: disable=broad-except
     raise SxError("E-TOK-002", f"--tokenizer {path}: not a tokenizer.json ({e})",
                   where="--tokenizer", fix="pass the tokenizer.json file") from e
+
+
+def echoed(tok, prompt: list[int], ids: list[int]) -> str:
+  """The prompt and its continuation as `sample` prints them: decoded together (a
+  tokenizer's decoder may join tokens differently at the seam than each part alone), or
+  the ids separated by spaces when there is no tokenizer."""
+  both = list(prompt) + list(ids)
+  return tok.decode(both) if tok is not None else " ".join(map(str, both))
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+  """A text prompt's ids.
+
+  Raises:
+    SxError: E-FORM-001 when the tokenizer has no token for a character of the prompt
+      (a character-level tokenizer drops it, which would sample from another prompt).
+  """
+  from sexpgpu.data.textcache import char_unknown
+  missing = char_unknown(tok, text)
+  if missing:
+    raise SxError("E-FORM-001", f"the tokenizer has no token for {len(missing)} character"
+                  f"{'s' if len(missing) != 1 else ''} of the prompt: "
+                  + " ".join(repr(ch) for ch in missing[:16]), where="--prompt",
+                  fix="write the prompt in the characters the model was trained on (a "
+                  "character-level tokenizer knows only its text's characters)")
+  return tok.encode(text).ids
 
 
 # The largest tokenizer.json read (GPT-2's is 1.4 MiB, Llama 3's 9 MiB).
