@@ -142,8 +142,8 @@ def test_a_misspelt_keyword_or_activation_names_the_nearest(extra, code, message
 @pytest.mark.parametrize("loss, code, message", [
     (f"(next-token-loss {TABLE} t :z-los 1e-4)", "E-FORM-002",
      "next-token-loss has no keyword :z-los"),
-    (f'(next-token-loss {TABLE} t :z-loss "big")', "E-TYPE-001",
-     '* works on numbers and tensors; `z-loss` is the string "big"'),
+    (f'(next-token-loss {TABLE} t :z-loss "big")', "E-ARG-001",  # std's assert, at the call
+     ":z-loss is a number ≥ 0 (the penalty's weight), or nil for none"),
 ])
 def test_a_bad_z_loss_keyword_is_an_error(loss, code, message):
   with pytest.raises(SxError) as e:

@@ -14,7 +14,8 @@ from sexpgpu.reader.forms import head_symbol
 STD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "std")
 
 TOP_FORMS = ("require", "defknob", "defvariant", "def", "defn", "defparam", "defloader",
-             "defpass", "defsample", "defeval", "defcurriculum", "defdiagnostic", "defrun")
+             "defpass", "defsample", "defeval", "defgenerate", "defcurriculum", "defdiagnostic",
+             "defrun")
 
 
 @dataclasses.dataclass
@@ -46,6 +47,8 @@ class Program:
     python: display name → (absolute path, the require's place) of each `.py` file of
       ops written in Python (`(require "my_ops.py")`), in require order. Nothing here runs
       them: the evaluator does, when the command's policy allows (front/pyops.py).
+    std: display name (`std/lm.sx`) → library (`lm`) of each standard-library file read.
+    std_requires: library → the std libraries it requires itself, in require order.
   """
 
   path: str
@@ -57,6 +60,28 @@ class Program:
   sources: dict[str, str]
   files: dict[str, str]
   python: dict[str, tuple[str, Loc]] = dataclasses.field(default_factory=dict)
+  std: dict[str, str] = dataclasses.field(default_factory=dict)
+  std_requires: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+  def namespace_of(self, form: Form) -> str | None:
+    """The standard library (`lm`) whose namespace a top-level `def`, `defn` or `defparam`
+    of `form` defines into, or None for the user's own top level.
+
+    Each std library's definitions live in its own namespace: its functions see its own
+    names and those of the libraries it requires, never the user's; the user sees every
+    loaded library's names unqualified (their own definitions win) and qualified (`lm/block`).
+    """
+    return _namespace(form, self.std)
+
+
+def _namespace(form: Form, std: dict[str, str]) -> str | None:
+  if head_symbol(form) not in STD_SPACED:
+    return None
+  return std.get(form.loc.file)
+
+
+# The top-level forms whose name a std library keeps in its own namespace.
+STD_SPACED = ("def", "defn", "defparam")
 
 
 def form_error(form: Form, message: str, fix: str, code: str = "E-FORM-001") -> SxError:
@@ -97,6 +122,8 @@ class _Loader:
     self.sources: dict[str, str] = {}
     self.files: dict[str, str] = {}
     self.python: dict[str, tuple[str, Loc]] = {}
+    self.std: dict[str, str] = {}  # display name of a std file → its library (`lm`)
+    self.std_requires: dict[str, list[str]] = {}  # library → the std libraries it requires
 
   def load(self, abspath: str, display: str, stack: tuple) -> list[Form]:
     text = read_source(abspath, display)
@@ -127,9 +154,11 @@ class _Loader:
     if len(form.items) != 2:
       raise form_error(form, "require takes one file", '(require "lib/blocks.sx") or (require std/nn)')
     arg = form.items[1]
+    lib = None
     if isinstance(arg, Atom) and isinstance(arg.value, Symbol) and arg.value.startswith("std/"):
       target = os.path.join(STD_DIR, arg.value[4:] + ".sx")
       display = f"{arg.value}.sx"
+      lib = str(arg.value)[4:]
     elif isinstance(arg, Atom) and isinstance(arg.value, str) and not isinstance(arg.value, Symbol):
       target = os.path.normpath(os.path.join(os.path.dirname(abspath), arg.value))
       display = os.path.relpath(target) if not os.path.isabs(arg.value) else target
@@ -145,6 +174,12 @@ class _Loader:
       names = [d for _, d in stack[chain.index(target):]] + [display]
       raise SxError("E-REQ-002", "requires form a cycle: " + " → ".join(names),
                     location=form.loc, fix="move the shared definitions into a file both require")
+    if lib is not None and os.path.isfile(target):
+      requirer = self.std.get(stack[-1][1]) if stack[-1][0].startswith(STD_DIR + os.sep) else None
+      if requirer is not None and lib not in self.std_requires.setdefault(requirer, []):
+        self.std_requires[requirer].append(lib)
+      self.std[display] = lib
+      self.std_requires.setdefault(lib, [])
     if target in self.done:
       return []
     if target.endswith(".py"):  # ops written in Python: the front end runs the file
@@ -161,17 +196,18 @@ def _collect(path: str, base_dir: str, forms: list[Form], loader: _Loader) -> Pr
   variants: dict[str, list] = {}
   rest: list[Form] = []
   runs: list[List] = []
-  defined: dict[str, Loc] = {}
+  defined: dict[tuple, Loc] = {}
   for form in forms:
     head = head_symbol(form)
     name_form = form.items[1] if len(form.items) > 1 else None
     if head in ("defknob", "defvariant", "def", "defn", "defparam", "defloader", "defpass",
-                "defsample", "defeval", "defdiagnostic"):
+                "defsample", "defeval", "defgenerate", "defdiagnostic"):
       if not (isinstance(name_form, Atom) and isinstance(name_form.value, Symbol)):
         raise form_error(form, f"{head} needs a name", f"({head} NAME ...)")
       name = str(name_form.value)
       space = "variant" if head == "defvariant" else "value"
-      key = (space, name)
+      # a std library's names are its own: a user's `block` does not collide with std/lm's
+      key = (space, _namespace(form, loader.std), name)
       if key in defined:
         raise SxError("E-NAME-002", f"`{name}` is defined twice (first at {defined[key]})",
                       location=name_form.loc)
@@ -191,7 +227,8 @@ def _collect(path: str, base_dir: str, forms: list[Form], loader: _Loader) -> Pr
                   location=where, where=None if where else path,
                   fix="(defrun :loss LOSS :data LOADER :steps N ...)")
   return Program(path, base_dir, rest, knobs, variants, runs[0], loader.sources, loader.files,
-                 loader.python)
+                 loader.python, loader.std,
+                 {lib: tuple(reqs) for lib, reqs in loader.std_requires.items()})
 
 
 def literal_value(form: Form) -> Any:
@@ -276,7 +313,8 @@ _STD_NAMES: dict[str, list[str]] | None = None  # name → the std libraries tha
 
 
 def std_libraries_of(name: str) -> list[str]:
-  """The standard libraries (`std/gpt2`, ...) whose top level defines `name`, sorted.
+  """The standard libraries (`std/gpt2`, ...) whose top level defines `name` (or, for a
+  qualified `lm/block`, std/lm when it defines `block`), sorted.
 
   For the fix of an unbound name: a name the standard library defines is brought in by a
   `(require std/LIB)`, which a "did you mean" of a nearby spelling would hide.
@@ -296,4 +334,7 @@ def std_libraries_of(name: str) -> list[str]:
           if isinstance(item, Atom) and isinstance(item.value, Symbol):
             found.setdefault(str(item.value), []).append(lib)
     _STD_NAMES = found
+  lib, _, base = name.partition("/")
+  if base and "std/" + lib in _STD_NAMES.get(base, []):  # qualified: `lm/block`
+    return ["std/" + lib]
   return sorted(set(_STD_NAMES.get(name, [])))

@@ -12,9 +12,10 @@ from sexpgpu.run.compile import compile_file
 def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None = None,
           device: str = "cpu", overrides: dict | None = None, fn: str | None = None,
           target: str | None = None, gpu: str | None = None, devices: int | None = None,
-          nodes: int | None = None) -> str:
+          nodes: int | None = None, loader: str | None = None) -> str:
   """The text `sexpgpu check` prints: a summary, or knobs / params / ir / jaxpr / hlo / plan
-  / decode (how `sample` decodes `fn`, by default the one function of tokens to logits).
+  / decode (how `sample` decodes `fn`, by default the one function of tokens to logits)
+  / batch (one microbatch of `loader`, by default the run's, run.batchtext).
 
   With `target="cuda"` the summary (and `hlo`, `plan`) is the run's steps lowered for
   CUDA on this machine, reported as a CUDA run reports them (`run.cuda_check`); `gpu`
@@ -23,6 +24,11 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
   """
   if what == "requires":
     return requires_text(path)
+  if loader is not None and what != "batch":
+    from sexpgpu.errors import SxError
+    raise SxError("E-FORM-001", f"--loader {loader} names the loader of --print batch",
+                  where=f"--loader {loader}", fix=f"add --print batch: check FILE --print batch "
+                  f"--loader {loader}")
   if target is not None or gpu is not None or devices is not None or nodes is not None:
     from sexpgpu.run.cuda_check import check_paper, check_target
     check_target(target or "cuda", gpu)
@@ -44,6 +50,9 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
     return lowered_text(c, what, device)
   if what == "knobs":
     return knobs_text(c)
+  if what == "batch":
+    from sexpgpu.run.batchtext import batch_text
+    return batch_text(c, loader)
   if what == "params":
     return params_text(c)
   if what == "ir":
@@ -210,25 +219,32 @@ def params_text(c) -> str:
   """`check --print params`: each parameter's path, shape, initializer and count, and its
   role read from the loss graph (`ir.roles`): the stacked axes (repeat's layers, experts)
   apart from its own, fan-in → fan-out, whether the optimizer's weight decay reaches it and
-  which optimizer updates it (an `opt` column where the optimizer splits them: Muon's).
+  which optimizer updates it (an `opt` column where the optimizer splits them: Muon's), and
+  a `train` column (trained or frozen) under `:trainable` or `:lora`; under μP each
+  parameter's init-std, learning-rate and output multipliers (ir/mup.py).
   """
   from sexpgpu.ir.roles import roles
-  from sexpgpu.lower.optim import decay_mask, optimizer_of
+  from sexpgpu.lower.optim import decay_mask, mup_cells, optimizer_of
+  from sexpgpu.run.training import trainable
+  train = trainable(c)
   graph, spec = c.stages[0].graph, c.stages[0].exp.optimizer
   found = roles(graph)
   mask = decay_mask(spec, graph)
   opts = optimizer_of(spec, graph)
   split = len(set(opts.values())) > 1 or spec.name == "muon"
+  mu = mup_cells(spec, graph)  # under μP: (each parameter's multipliers, their heads, a line)
   rows = []
   for p in c.params.values():
     r = found[p.path]
     fans = f"{r.fan_in}→{r.fan_out}" if r.fan_in or r.fan_out else "-"
     rows.append((p.path, f"{p.dtype}[{','.join(map(str, p.full_shape))}]", str(p.init),
                  p.count, r.text(), r.stacked_text(p), fans,
-                 "yes" if mask.get(p.path) else "no") + (opts[p.path],) * split)
+                 "yes" if mask.get(p.path) else "no") + (opts[p.path],) * split
+                + ("trained" if p.path in (train or ()) else "frozen",) * (train is not None)
+                + (mu[0][p.path] if mu else ()))
   total = sum(r[3] for r in rows)
   head = ("path", "shape", "init", "count", "role", "stacked", "fan-in→out",
-          "decay") + ("opt",) * split
+          "decay") + ("opt",) * split + ("train",) * (train is not None) + (mu[1] if mu else ())
   w = [max([len(r[i]) for r in rows] + [len(head[i])]) if i != 3 else 12
        for i in range(len(head))]
 
@@ -244,8 +260,13 @@ def params_text(c) -> str:
   out.append(f"decay: {spec.name} :weight-decay {wd:g} reaches {n} of {len(rows)} parameters"
              if wd > 0 else f"decay: {spec.name} :weight-decay 0, so none is decayed (the "
              f"column says which {n} a weight decay would reach)")
+  if train is not None:
+    t = [r for r in rows if "trained" in r[8:]]
+    out.append(f"train: {len(t)} of {len(rows)} parameters trained ({sum(r[3] for r in t):,} "
+               f"of {total:,} values), the rest frozen: constants of the step")
   if split:
     m = sum(1 for r in rows if r[8] == "muon")
     out.append(f"opt: muon orthogonalises {m} of {len(rows)} parameters (each stacked "
                f"matrix on its own), adamw updates the other {len(rows) - m}")
+  out += [mu[2]] if mu else []
   return "\n".join(out) + "\n"
