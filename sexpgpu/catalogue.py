@@ -35,6 +35,8 @@ _ENTRIES = (
           "write the form as its reference shows (docs/language.md)"),
     Entry("E-FORM-002", "an unknown keyword argument (the known ones listed)",
           "use one of the keywords listed"),
+    Entry("E-ARG-001", "a function refused an argument's value (its `assert` failed), told at "
+          "the user's call", "pass a value the function accepts, as the message says"),
     Entry("E-REQ-001", "a required file not found",
           "give a path relative to the requiring file, or a std/ name"),
     Entry("E-REQ-002", "a cycle of requires (the cycle printed)",
@@ -60,6 +62,10 @@ _ENTRIES = (
           "give every required defrun field a valid value"),
     Entry("E-CURR-001", "a curriculum stage that changes a parameter's shape",
           "change only what keeps every parameter's shape (sequence length, batch, rates)"),
+    Entry("E-PARAM-001",
+          "another program calls a function the loss calls at several places with different "
+          "parameters (or stacks in a repeat): which trained one is meant is ambiguous",
+          "name the loss's call meant with :as, and call it with the same :as"),
     # data
     Entry("E-LOAD-001", "a loader's file is missing",
           "check the path (relative to the experiment file) or the URI"),
@@ -161,6 +167,15 @@ _ENTRIES = (
           "give UTF-8 text: .txt, .jsonl with the text --field, or .parquet"),
     Entry("E-TOK-002", "a tokenizer named instead of given as a file",
           "give a tokenizer.json file; nothing is downloaded"),
+    Entry("E-CHAT-001",
+          "a conversation or preference-pair line of the wrong shape, or one the chat "
+          "template refuses (the file and line, and the shape expected)",
+          'one JSON object a line: {"messages": [{"role": "user", "content": "..."}, ...]}'),
+    Entry("E-CHAT-002",
+          "a chat template that cannot be read, does not compile, or cannot locate the "
+          "assistant's text (the template's file)",
+          "fix the chat_template of tokenizer_config.json, or mark the assistant's text with "
+          "{% generation %}"),
     # ops written in Python
     Entry("E-OP-001",
           "an op written in Python failed: its file raised while loading, its declaration "
@@ -170,10 +185,24 @@ _ENTRIES = (
           "Python an experiment requires, not run without --trust-python (every file that "
           "would run listed with its sha256)",
           "read the files, then pass --trust-python or set SEXPGPU_TRUST_PYTHON=1"),
+    Entry("E-OP-003",
+          "an op written in Python declared of a kind that some table (decode, split, the "
+          "backward's) has no rule for (the tables named)",
+          'declare a kind every table has a rule for: "pointwise", or "opaque" when its '
+          "positions mix"),
     # models in and out
     Entry("E-SAMPLE-001",
           "`sample` cannot tell which function maps tokens to logits (the candidates listed)",
           "pass --fn NAME, a function of the tokens that returns logits [b t vocab]"),
+    Entry("E-SAMPLE-002",
+          "a continuation past what the model decodes: a learned position table or an "
+          "attention window (named, with the longest length it decodes)",
+          "ask for fewer tokens, or pass --window recompute to slide the window"),
+    Entry("E-GEN-001",
+          "`generate` cannot tell which program to run, or its function is not one of no "
+          "arguments returning tensors, or the output cannot be written",
+          "write (defgenerate NAME :fn F :every N) for a defn F of no arguments, and pass -o "
+          "a writable OUT.npz"),
     # downstream evaluation
     Entry("E-EVAL-001",
           "a task file that cannot be read or does not parse (the file and line), or holds "
@@ -199,6 +228,12 @@ _ENTRIES = (
           "graph do not decide it (the roles they imply named)",
           "write :role ROLE on its param (embedding readout hidden expert conv norm bias "
           "other)"),
+    Entry("E-MUP-001", "an unknown `:parametrization` (the nearest names suggested)",
+          "write :parametrization mup or standard (the default)"),
+    Entry("E-MUP-002", "a `:base-width` that is absent under μP or no positive integer",
+          "write :base-width N, the width your learning rate was tuned at"),
+    Entry("E-MUP-003", "μP cannot read the model's width or place its output multiplier",
+          "write :role readout on the param that makes the logits, outside repeat bodies"),
     Entry("E-INIT-001",
           "a warm start whose parameters are missing, extra, or of another shape or dtype "
           "(both sides listed)",

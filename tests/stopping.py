@@ -3,7 +3,8 @@
 The run is frozen (SIGSTOP) as soon as this process sees step k, sent the signal, then let go
 (SIGCONT), so a run whose steps take milliseconds cannot end between the sighting and the
 signal. On a loaded machine it can still end before this process sees step k at all: then it
-is started again, up to `tries` times, each try in its own files."""
+is started again, up to `tries` times (8: a step of a few milliseconds on a loaded machine
+misses three in a row), each try in its own files."""
 
 import json
 import signal
@@ -25,7 +26,7 @@ def steps_seen(metrics):
   return seen
 
 
-def stop_at(start, k, sig, tries=3):
+def stop_at(start, k, sig, tries=8):
   """start(attempt) -> (Popen, metrics path). Returns (Popen, stdout, stderr, metrics) of the
   first try that the signal stopped, or of the last try."""
   for attempt in range(tries):

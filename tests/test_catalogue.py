@@ -20,9 +20,11 @@ UNBUILT: set[str] = set()
 # and ops written in Python ("an exception inside it reported at the .sx call"), and a GPU
 # with no memory statistics (planned against the host's memory before), and downstream
 # evaluation's task files, tokenizer and window (issue 28: "each error above with its test").
-BEYOND_THE_PAGE = {"E-LOAD-005", "E-CKPT-005", "E-CKPT-006", "E-OP-001", "E-OP-002", "E-MEM-002", "E-EVAL-001", "E-EVAL-002",
+BEYOND_THE_PAGE = {"E-LOAD-005", "E-CKPT-005", "E-CKPT-006", "E-OP-001", "E-OP-002", "E-OP-003", "E-MEM-002", "E-EVAL-001", "E-EVAL-002",
                    "E-EVAL-003", "E-BUNDLE-003", "E-BUNDLE-004", "E-BUNDLE-005",
-                   "E-ROLE-001"}
+                   "E-ROLE-001", "E-MUP-001", "E-MUP-002", "E-MUP-003", "E-CHAT-001", "E-CHAT-002", "E-ARG-001",
+                   "E-SAMPLE-002", "E-PARAM-001",
+                   "E-GEN-001"}
 
 
 def _codes_in(paths) -> dict[str, list[str]]:

@@ -123,17 +123,23 @@ CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "conf
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_shipped_configs_parameters_have_a_role_in_check(name, token_cache):
-  sets = [("cache", token_cache)] if name == "text-lm.sx" else []
+  corpus = os.path.join(ROOT, "tests", "data", "corpus.txt")  # for the char configs' text
+  sets = ([("cache", token_cache)] if name == "text-lm.sx" else
+          [("text", corpus), ("eval-batches", "1")]
+          if name in ("shakespeare-char.sx", "char-speedrun.sx") else [])
   text = check(os.path.join(ROOT, "configs", name), sets=sets, what="params")
   lines = text.splitlines()
   head = ["path", "shape", "init", "count", "role", "stacked", "fan-in→out", "decay"]
-  assert lines[0].split() == head
+  # after them, the optimizer's split (Muon's), trained or frozen, and μP's multipliers
+  assert lines[0].split()[:8] == head
+  assert set(lines[0].split()[8:]) <= {"opt", "train", "init×", "lr×", "out×"}, lines[0]
   # cells cut where the header's columns start (the count is right-aligned under its own)
-  at = [lines[0].index(h) for h in head]
+  at = [lines[0].index(h) for h in lines[0].split()]
   at[3] = at[2] + len(lines[0][at[2]:at[4]].rstrip()) - 12
-  rows = [[ln[a:b].strip() for a, b in zip(at, at[1:] + [None])] for ln in lines[1:-2]]
+  end = next(i for i, ln in enumerate(lines) if ln.startswith("total"))  # the summary after
+  rows = [[ln[a:b].strip() for a, b in zip(at, at[1:] + [None])] for ln in lines[1:end]]
   assert rows and all(r[4].split("+")[0].split(" ")[0] in ROLES for r in rows)
-  assert all(r[-1] in ("yes", "no") for r in rows)
+  assert all(r[7] in ("yes", "no") for r in rows)
   if name == "gpt2-small.sx":
     by = {r[0]: r for r in rows}
     assert by["lm/gpt2/wte"][4:] == ["embedding+readout (tied)", "-", "50257→768", "no"]

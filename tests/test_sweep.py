@@ -75,7 +75,9 @@ def test_sweep_stopped_then_resumed(tmp_path):
              and e["action"] == "restored")
     before = [e["step"] for e in evs[:i] if e["kind"] == "step"]
     after = [e["step"] for e in evs[i:] if e["kind"] == "step"]
-    assert min(after) == k + 1 and k % 5 == 0
+    # restored from a checkpoint-every step, or from the stop's own checkpoint at the last
+    # step it trained (a point stopped after its first steps on a loaded machine)
+    assert min(after) == k + 1 and (k % 5 == 0 or k == max(before))
     assert all(s > k for s in dup) and dup <= set(before)
 
   # A third sweep finds everything done and runs nothing.

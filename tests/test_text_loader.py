@@ -15,7 +15,7 @@ from stopping import stop_at
 from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.data import make_loader
 from sexpgpu.data.spec import LoaderSpec
-from sexpgpu.data.text import _first_fit
+from sexpgpu.data.text import first_fit
 from sexpgpu.data import textcache
 from sexpgpu.errors import SxError
 from sexpgpu.tools.tokenize import Options, tokenize
@@ -110,7 +110,7 @@ def _assert_first_fit(lengths, seq, ld):
 
 
 def test_first_fit_fills_holes_in_order():
-  ptr, starts, lens = _first_fit(np.array([6, 7, 3, 2, 10, 1]), 8)
+  ptr, starts, lens = first_fit(np.array([6, 7, 3, 2, 10, 1]), 8)
   rows = [list(zip(starts[ptr[r]:ptr[r + 1]], lens[ptr[r]:ptr[r + 1]]))
           for r in range(len(ptr) - 1)]
   assert rows == [[(0, 6), (16, 2)], [(6, 7), (28, 1)], [(13, 3), (26, 2)], [(18, 8)]]

@@ -194,7 +194,7 @@ def test_a_real_signal_while_loading_still_stops(exp_dir, capsys):
 
 def test_outside_the_cli_a_keyboard_interrupt_is_left_to_the_caller(exp_dir):
   """Under Python's own SIGINT handler (a notebook) a user's KeyboardInterrupt cannot be
-  told from a Ctrl-C, so it passes through as one (README, "Python in an experiment")."""
+  told from a Ctrl-C, so it passes through as one (docs/guide.md, "Python in an experiment")."""
   import signal
   (exp_dir / "my_ops.py").write_text("raise KeyboardInterrupt\n")
   old = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -98,10 +98,10 @@ def doctor(device: str = "cpu", environ: Mapping[str, str] | None = None,
 
 def cmd_doctor(argv: list[str]) -> int:
   """The doctor command: absl flags, then doctor()."""
-  from sexpgpu.cli.main import _parse
+  from sexpgpu.cli.main import parse_flags
   fv = flags.FlagValues()
   flags.DEFINE_string("device", None, "cpu (default) or cuda (SEXPGPU_DEVICE)", flag_values=fv)
-  rest = _parse(fv, argv, "doctor")
+  rest = parse_flags(fv, argv, "doctor")
   if rest:
     raise SxError("E-FORM-001", f"sexpgpu doctor takes no file, given {' '.join(rest)}",
                   where="the command line", fix="sexpgpu doctor --device cuda")

@@ -26,7 +26,8 @@ from sexpgpu.lang.blame import guarded  # noqa: E402
 from sexpgpu.run import output  # noqa: E402
 
 
-def _selection_flags(fv: flags.FlagValues) -> None:
+def selection_flags(fv: flags.FlagValues) -> None:
+  """Defines the selection flags every compiling command shares (--variant, --set, ...)."""
   flags.DEFINE_string("variant", None, "the variant to select", flag_values=fv)
   flags.DEFINE_multi_string("set", [], "knob=value overrides", flag_values=fv)
   flags.DEFINE_string("diagnostics", None, "diagnostics to run: a,b or all", flag_values=fv)
@@ -35,9 +36,9 @@ def _selection_flags(fv: flags.FlagValues) -> None:
                     "(SEXPGPU_TRUST_PYTHON)", flag_values=fv)
 
 
-def _trusting(trust_flag: bool | None, strict: bool, who: str):
-  """The Python an experiment may run under this command (README, "Python in an
-  experiment"): all with --trust-python or SEXPGPU_TRUST_PYTHON=1 (the flag wins); else none
+def python_trust(trust_flag: bool | None, strict: bool, who: str):
+  """The Python an experiment may run under this command (docs/guide.md, "Python in
+  an experiment"): all with --trust-python or SEXPGPU_TRUST_PYTHON=1 (the flag wins); else none
   when `strict` (check, bundle, a bundle's run), else the files in its own folder."""
   from sexpgpu.front import pyops
   trusted = env.trust_python() if trust_flag is None else trust_flag
@@ -46,7 +47,7 @@ def _trusting(trust_flag: bool | None, strict: bool, who: str):
 
 def _run_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
-  _selection_flags(fv)
+  selection_flags(fv)
   flags.DEFINE_integer("steps", None, "replaces defrun :steps", flag_values=fv)
   flags.DEFINE_integer("eval_every", None, "replaces every pass's :every; 0: only at the end",
                        flag_values=fv)
@@ -69,9 +70,11 @@ def _run_flags() -> flags.FlagValues:
 
 def _check_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
-  _selection_flags(fv)
+  selection_flags(fv)
   flags.DEFINE_enum("print", None, ["knobs", "params", "ir", "jaxpr", "hlo", "plan", "decode",
-                                    "requires"], "what to print", flag_values=fv)
+                                    "requires", "batch"], "what to print", flag_values=fv)
+  flags.DEFINE_string("loader", None, "for --print batch: the loader (default the run's "
+                      ":data)", flag_values=fv)
   flags.DEFINE_string("fn", None, "for --print decode: the function of the tokens that "
                       "returns logits (default: the only one)", flag_values=fv)
   flags.DEFINE_string("device", None, "cpu or cuda, for --print hlo|plan (SEXPGPU_DEVICE)",
@@ -89,7 +92,7 @@ def _check_flags() -> flags.FlagValues:
   return fv
 
 
-def _parse(fv: flags.FlagValues, argv: list[str], command: str) -> list[str]:
+def parse_flags(fv: flags.FlagValues, argv: list[str], command: str) -> list[str]:
   """Parses a command's flags; `-h`/`--help` prints the command's help instead.
 
   Raises:
@@ -197,7 +200,8 @@ def _int_example(value: str, default, lo: int, hi: int) -> str:
   return str(lo)
 
 
-def _sets(values: list[str]) -> list[tuple[str, str]]:
+def parse_sets(values: list[str]) -> list[tuple[str, str]]:
+  """`--set k=v` values as (knob, text) pairs, in the order given."""
   out = []
   for s in values:
     name, eq, val = s.partition("=")
@@ -218,13 +222,13 @@ def _one_file(rest: list[str], command: str) -> str:
 def cmd_run(argv: list[str]) -> int:
   """compile and train an experiment in this process"""
   fv = _run_flags()
-  rest = _parse(fv, argv, "run")
+  rest = parse_flags(fv, argv, "run")
   given = _one_file(rest, "run")
   _STARTUP["status"] = fv.status if fv.status is not None else env.get("SEXPGPU_STATUS")
   from sexpgpu.run.env import init_from_sets, run_options
   from sexpgpu.run.compile import compile_file
   from sexpgpu.run.loop import run_compiled
-  path, variant, sets = given, fv.variant, init_from_sets(fv.init_from, _sets(fv.set))
+  path, variant, sets = given, fv.variant, init_from_sets(fv.init_from, parse_sets(fv.set))
   if given.endswith(".sxb"):  # a --set given here wins over the bundle's
     from sexpgpu.tools.bundle import bundle_selection
     path, variant, sets = bundle_selection(given, variant, sets)
@@ -232,7 +236,7 @@ def cmd_run(argv: list[str]) -> int:
   _STARTUP["status"] = opts.status
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
   from sexpgpu.tools.bundle import bundle_hints
-  with bundle_hints(given), _trusting(fv.trust_python, given.endswith(".sxb"),
+  with bundle_hints(given), python_trust(fv.trust_python, given.endswith(".sxb"),
                                       f"sexpgpu run {given}"):
     compiled = guarded(path, variant, sets, overrides, fv.diagnostics,
                        lambda: compile_file(path, variant, sets, overrides, fv.diagnostics))
@@ -315,7 +319,7 @@ def _unread_by_reader(fd: int, size: int) -> str | None:
 def cmd_check(argv: list[str]) -> int:
   """compile without training; print knobs, parameters, loaders, IR or the plan"""
   fv = _check_flags()
-  rest = _parse(fv, argv, "check")
+  rest = parse_flags(fv, argv, "check")
   path = _one_file(rest, "check")
   from sexpgpu.run.check import check
   from sexpgpu.run.env import check_variables
@@ -323,14 +327,15 @@ def cmd_check(argv: list[str]) -> int:
       env.get("SEXPGPU_DEVICE"))
   check_variables(device, ("SEXPGPU_DEVICE",) if fv.device else ())  # the parsers run uses
   overrides = {"steps": fv.steps, "eval-every": fv.eval_every}
-  variant, sets, given = fv.variant, _sets(fv.set), path
+  variant, sets, given = fv.variant, parse_sets(fv.set), path
   from sexpgpu.tools.bundle import bundle_hints, bundle_selection
   if given.endswith(".sxb"):  # checked as `run` would run it: its experiment and selection
     path, variant, sets = bundle_selection(given, variant, sets)
-  with bundle_hints(given), _trusting(fv.trust_python, True, "sexpgpu check"):
+  with bundle_hints(given), python_trust(fv.trust_python, True, "sexpgpu check"):
     text = guarded(path, variant, sets, overrides, fv.diagnostics,
                    lambda: check(path, variant, sets, fv.diagnostics, fv.print, device,
-                                 overrides, fv.fn, fv.target, fv.gpu, fv.devices, fv.nodes))
+                                 overrides, fv.fn, fv.target, fv.gpu, fv.devices, fv.nodes,
+                                 fv.loader))
   first, nl, after = text.partition("\n")
   if given != path and first.startswith("check: ") and " slug " in first:
     text = f"check: {given} slug {first.rsplit(' slug ', 1)[1]}{nl}{after}"  # as given, not

@@ -8,7 +8,7 @@ import sys
 from absl import flags
 
 from sexpgpu import env
-from sexpgpu.cli.main import _parse, _selection_flags, _sets, _trusting
+from sexpgpu.cli.main import parse_flags, selection_flags, parse_sets, python_trust
 from sexpgpu.errors import SxError
 from sexpgpu.lang.blame import guarded
 from sexpgpu.run import output
@@ -19,16 +19,16 @@ def _compile(path: str, fv, command: str = "sexpgpu"):
   and selection (its Python only with --trust-python), a file's with its own folder's."""
   from sexpgpu.run.compile import compile_file
   from sexpgpu.tools.bundle import bundle_hints, bundle_selection
-  given, variant, sets = path, fv.variant, _sets(fv.set)
+  given, variant, sets = path, fv.variant, parse_sets(fv.set)
   if given.endswith(".sxb"):  # a --set given here wins over the bundle's
     path, variant, sets = bundle_selection(given, variant, sets)
-  with _trusting(fv.trust_python, given.endswith(".sxb"), command), bundle_hints(given):
+  with python_trust(fv.trust_python, given.endswith(".sxb"), command), bundle_hints(given):
     return guarded(path, variant, sets, {}, None,
                    lambda: compile_file(path, variant, sets, {}, None))
 
 
 def _checkpoint_flags(fv: flags.FlagValues) -> None:
-  _selection_flags(fv)
+  selection_flags(fv)
   flags.DEFINE_string("resume", None, "the checkpoint: a step folder, a run folder, s3://... "
                       "or latest (with --checkpoint-dir)", flag_values=fv)
   flags.DEFINE_string("checkpoint_dir", None, "where `--resume latest` looks "
@@ -71,8 +71,11 @@ def cmd_export(argv: list[str]) -> int:
                     flag_values=fv)
   flags.DEFINE_string("tokenizer", None, "a tokenizer.json to put in the hf folder (default: "
                       "the text loader's)", flag_values=fv)
+  flags.DEFINE_bool("merge_lora", False, "fold each LoRA adapter into its base weight "
+                    "(W + alpha/rank·A·B) and write the base model's parameters only",
+                    flag_values=fv)
   usage = "sexpgpu export my-run.sx --resume runs/my-run/100 -o model/ --format hf"
-  path = _one(_parse(fv, argv, "export"), "export", usage)
+  path = _one(parse_flags(fv, argv, "export"), "export", usage)
   if not fv.output:
     raise SxError("E-FORM-001", "sexpgpu export needs -o OUT", where="the command line",
                   fix=usage)
@@ -81,7 +84,8 @@ def cmd_export(argv: list[str]) -> int:
   if tok is None and fv.format == "hf":
     found = sample.tokenizer_path(c)
     tok = found
-  written = export.export(c, params, meta, fv.output, fv.format, tokenizer=tok)
+  written = export.export(c, params, meta, fv.output, fv.format, tokenizer=tok,
+                          merge_lora=fv.merge_lora)
   sys.stderr.write(f"export: step {meta.get('step')} of {meta.get('slug')} as {fv.format}: "
                    + ", ".join(written) + "\n")
   return 0
@@ -95,14 +99,14 @@ def cmd_import(argv: list[str]) -> int:
   --allow-nonfinite."""
   from sexpgpu.models import export, source
   fv = flags.FlagValues()
-  _selection_flags(fv)
+  selection_flags(fv)
   flags.DEFINE_string("output", None, "the checkpoint location (the step is <it>/<slug>/0)",
                       short_name="o", flag_values=fv)
   flags.DEFINE_bool("allow_nonfinite", False, "import tensors and a config.json holding NaN "
                     "or infinity (refused otherwise: such a model cannot train)",
                     flag_values=fv)
   usage = "sexpgpu import hf-model/ -o runs/ my-run.sx"
-  rest = _parse(fv, argv, "import")
+  rest = parse_flags(fv, argv, "import")
   if len(rest) != 2 or not fv.output:
     raise SxError("E-FORM-001", "sexpgpu import takes a Hugging Face folder, -o CKPT_DIR and "
                   "the experiment file", where="the command line", fix=usage)
@@ -149,8 +153,13 @@ def cmd_sample(argv: list[str]) -> int:
                       flag_values=fv)
   flags.DEFINE_bool("json", False, "print ids, text and tokens/s as one JSON line",
                     flag_values=fv)
+  flags.DEFINE_bool("no_echo", False, "print the continuation alone, not the prompt before it",
+                    flag_values=fv)
+  flags.DEFINE_enum("window", None, ["recompute"], "recompute: past a position table or an "
+                    "attention window, slide the window (each token recomputed from the last "
+                    "window of tokens)", flag_values=fv)
   usage = 'sexpgpu sample my-run.sx --resume runs/my-run/100 --prompt "Once upon"'
-  path = _one(_parse(fv, argv, "sample"), "sample", usage)
+  path = _one(parse_flags(fv, argv, "sample"), "sample", usage)
   if (fv.prompt is None) == (fv.prompt_file is None):
     raise SxError("E-FORM-001", "sexpgpu sample takes --prompt TEXT or --prompt-file FILE",
                   where="the command line", fix=usage)
@@ -161,8 +170,8 @@ def cmd_sample(argv: list[str]) -> int:
   c, params, meta = _restored(path, fv, "sample")
   fn = fv.fn or source.default_fn(c)
   tok = sample.tokenizer_of(c, fv.tokenizer)
-  prompt = tok.encode(text).ids if tok is not None else sample.parse_ids(text)
-  result = sample.generate(c, fn, params, prompt, settings)
+  prompt = sample.encode_prompt(tok, text) if tok is not None else sample.parse_ids(text)
+  result = sample.generate(c, fn, params, prompt, settings, fv.window)
   words = tok.decode(result.ids) if tok is not None else " ".join(map(str, result.ids))
   how = result.path + (f" decoding ({result.reason})" if result.reason else " decoding")
   note = f"sample: {how}; {len(result.ids)} tokens, {result.tokens_per_s:.1f} tokens/s\n"
@@ -171,8 +180,9 @@ def cmd_sample(argv: list[str]) -> int:
         {"prompt_ids": prompt, "ids": result.ids, "text": words, "tokens_per_s":
          round(result.tokens_per_s, 3), "path": result.path, "step": meta.get("step")},
         separators=(",", ":")) + "\n")
-  else:
-    output.write(sys.stdout, words + "\n")
+  else:  # the prompt, as the tokenizer renders it, then the continuation (nanoGPT's way)
+    output.write(sys.stdout, (words if fv.no_echo else sample.echoed(tok, prompt, result.ids))
+                 + "\n")
   sys.stderr.write(note)
   return 0
 
@@ -195,7 +205,7 @@ def cmd_eval(argv: list[str]) -> int:
                        flag_values=fv)
   flags.DEFINE_bool("json", False, "print the scores as one JSON object", flag_values=fv)
   usage = "sexpgpu eval my-run.sx --resume runs/my-run/100 [--tasks data/choice.jsonl]"
-  path = _one(_parse(fv, argv, "eval"), "eval", usage)
+  path = _one(parse_flags(fv, argv, "eval"), "eval", usage)
   # The flags and the task files first: a refusal costs no compile.
   if not 1 <= fv.batch <= evaluate.MAX_BATCH:
     raise SxError("E-FORM-001", f"--batch is {fv.batch}; it takes 1 to {evaluate.MAX_BATCH}",
@@ -245,4 +255,36 @@ def cmd_eval(argv: list[str]) -> int:
   return 0
 
 
-COMMANDS = {"export": cmd_export, "import": cmd_import, "sample": cmd_sample, "eval": cmd_eval}
+def cmd_generate(argv: list[str]) -> int:
+  """`sexpgpu generate FILE.sx --resume CKPT [--fn F] [--seed S] -o OUT.npz`."""
+  from sexpgpu.models import generate
+  fv = flags.FlagValues()
+  _checkpoint_flags(fv)
+  flags.DEFINE_string("fn", None, "the defgenerate (or its function) to run (default: the "
+                      "only one)", flag_values=fv)
+  flags.DEFINE_integer("seed", None, "the key of the draws (default: the defgenerate's :seed)",
+                       flag_values=fv)
+  flags.DEFINE_string("output", None, "the .npz to write (a PNG grid beside it for images)",
+                      short_name="o", flag_values=fv)
+  usage = "sexpgpu generate my-run.sx --resume runs/my-run/100 -o samples.npz"
+  path = _one(parse_flags(fv, argv, "generate"), "generate", usage)
+  if not fv.output:
+    raise SxError("E-FORM-001", "sexpgpu generate needs -o OUT.npz", where="the command line",
+                  fix=usage)
+  if fv.seed is not None and not 0 <= fv.seed < 2**32:
+    raise SxError("E-FORM-001", f"--seed is {fv.seed}; it takes 0 to {2**32 - 1}",
+                  where="--seed", fix="give --seed a 32-bit seed (0 to 4294967295)")
+  c, params, meta = _restored(path, fv, "generate")
+  d = generate.decl(c, fv.fn)
+  fn = d.fn if d is not None else fv.fn
+  seed = fv.seed if fv.seed is not None else (d.seed if d is not None else 0)
+  outputs = generate.run(c, fn, params, seed)
+  written = generate.write(outputs, fv.output)
+  shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
+  sys.stderr.write(f"generate: ({fn}) at step {meta.get('step')}, seed {seed}: {shapes}; "
+                   + ", ".join(written) + "\n")
+  return 0
+
+
+COMMANDS = {"export": cmd_export, "import": cmd_import, "sample": cmd_sample, "eval": cmd_eval,
+            "generate": cmd_generate}

@@ -11,9 +11,12 @@ from sexpgpu.data import KINDS as LOADER_CLASSES, keywords as loader_keywords, t
 from sexpgpu.data.spec import LoaderSpec, bind_args
 from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
-from sexpgpu.front import optimizers, pyops
+from sexpgpu.front import optimizers, pyops, tuning
+from sexpgpu.front import asserts  # noqa: F401  (registers assert and its predicates)
+from sexpgpu.front.namespaces import std_namespaces
 from sexpgpu.front.prims import BUILTINS, DTYPE_VALUES
 from sexpgpu.front.values import Closure, Env, ParamRef, Spec
+from sexpgpu.ir import mup
 from sexpgpu.lang.program import Program, literal_value, split_keywords
 from sexpgpu.lang.select import RUN_KNOBS, Selection
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
@@ -69,6 +72,18 @@ class SampleDecl:
   temperature: float
   top_k: int
   top_p: float
+  seed: int
+  loc: Loc
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateDecl:
+  """A `defgenerate`: a program of the trained functions, F of no arguments, run by
+  `sexpgpu generate` from a checkpoint with the key of :seed."""
+
+  name: str
+  fn: str
+  every: int
   seed: int
   loc: Loc
 
@@ -133,6 +148,7 @@ class Experiment:
   optimizer: Spec
   run: dict[str, Any]
   run_loc: Loc
+  generates: dict[str, GenerateDecl] = dataclasses.field(default_factory=dict)
 
   def builder(self, selected_taps=frozenset()) -> Builder:
     return Builder(self.env, selected_taps,
@@ -155,11 +171,13 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
   env = global_env({k: v for k, v in knobs.items() if k in program.knobs})
   # the one gate of the Python it requires: refused before any runs (pyops.trusting)
   env.parent.vars.update(pyops.load_all(program))
+  spaces, qualified = std_namespaces(program, env)
   b = Builder(env, knob_locs={k: d.loc for k, d in program.knobs.items()})
   loaders: dict[str, LoaderDecl] = {}
   passes: dict[str, PassDecl] = {}
   samples: dict[str, SampleDecl] = {}
   evals: dict[str, EvalDecl] = {}
+  generates: dict[str, GenerateDecl] = {}
   diags: dict[str, DiagDecl] = {}
   curriculum: list[StageDecl] = []
   genv = env.vars
@@ -174,23 +192,25 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
       curriculum = _curriculum(b, form, env, program, selection)
       continue
     name = str(form.items[1].value)
+    lib = program.namespace_of(form)  # a std library's definitions go to its own namespace
+    fenv = spaces[lib] if lib else env
     if head == "def":
       if len(form.items) != 3:
         raise SxError("E-FORM-001", "def takes a name and a value", location=form.loc,
                       fix=f"(def {name} EXPR)")
-      value = b.eval(form.items[2], env)
+      value = b.eval(form.items[2], fenv)
       if is_tensor(value):
         raise SxError("E-TYPE-001", f"def {name} is a tensor: def binds static values only",
                       location=form.items[2].loc, fix="compute tensors inside a defn")
-      genv[name] = value
+      fenv.vars[name] = value
     elif head == "defn":
       if len(form.items) < 4 or not isinstance(form.items[2], Vector):
         raise SxError("E-FORM-001", f"defn {name} needs a parameter vector and a body",
                       location=form.loc, fix=f"(defn {name} [x] BODY)")
       params, kwparams = parse_params(form.items[2])
-      genv[name] = Closure(name, params, kwparams, form.items[3:], env, form.loc)
+      fenv.vars[name] = Closure(name, params, kwparams, form.items[3:], fenv, form.loc)
     elif head == "defparam":
-      genv[name] = _defparam(b, form, env)
+      fenv.vars[name] = _defparam(b, form, fenv)
     elif head == "defloader":
       loaders[name] = _loader(b, form, env, program, loaders)
       genv[name] = loaders[name]
@@ -200,8 +220,12 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
       samples[name] = _sample(b, form, env)
     elif head == "defeval":
       evals[name] = _eval(b, form, env, program.base_dir)
+    elif head == "defgenerate":
+      generates[name] = _generate(b, form, env)
     elif head == "defdiagnostic":
       diags[name] = _diagnostic(b, form, env)
+    if lib and name in fenv.vars:
+      qualified[f"{lib}/{name}"] = fenv.vars[name]
   loss, data, optimizer, run, run_loc = _run(b, program, env, selection, loaders)
   for st in curriculum:
     if st.data is not None and st.data not in loaders:
@@ -217,7 +241,7 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
       raise SxError("E-NAME-002", f"`{name}` names both a defsample and a defeval",
                     location=evals[name].loc)
   return Experiment(program, selection, env, loaders, passes, samples, evals, curriculum, diags,
-                    loss, data, optimizer, run, run_loc)
+                    loss, data, optimizer, run, run_loc, generates)
 
 
 def _defparam(b: Builder, form: List, env: Env) -> ParamRef:
@@ -350,6 +374,16 @@ def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
     metrics.append((str(m), fn))
   return PassDecl(name, data, every, int(batches), metrics, form.loc,
                   kws["batches"].loc if "batches" in kws else None)
+
+
+def _generate(b: Builder, form: List, env: Env) -> GenerateDecl:
+  _, kws, _ = split_keywords(form, 2, ("fn", "every", "seed"), "defgenerate")
+  name, fn = _model_pass(b, form, env, kws, "defgenerate", ("fn", "every"),
+                         "(defgenerate {name} :fn sample-images :every 500 :seed 0)",
+                         "name a defn of no arguments that returns what it generates")
+  every = _static_int(b, kws["every"], env, ":every", 1)
+  seed = _static_int(b, kws["seed"], env, ":seed", 0) if "seed" in kws else 0
+  return GenerateDecl(name, fn.name, every, seed, form.loc)
 
 
 def _model_pass(b: Builder, form: List, env: Env, kws: dict, kind: str, required: tuple,
@@ -506,7 +540,7 @@ def _curriculum(b: Builder, form: List, env: Env, program: Program, selection: S
 
 def _run(b: Builder, program: Program, env: Env, selection: Selection, loaders: dict):
   form = program.run
-  allowed = ("loss", "data", "optimizer") + tuple(RUN_KNOBS)
+  allowed = ("loss", "data", "optimizer", "trainable", "lora") + mup.KEYS + tuple(RUN_KNOBS)
   _, kws, _ = split_keywords(form, 1, allowed, "defrun")
   for req in ("loss", "data", "optimizer"):
     if req not in kws:
@@ -526,4 +560,8 @@ def _run(b: Builder, program: Program, env: Env, selection: Selection, loaders: 
   for k, v in run.items():
     if k in ("precision", "on-nan", "sharding"):
       run[k] = str(v)
+  run["trainable"] = tuning.trainable(b, kws.get("trainable"), env)
+  run["lora"] = tuning.lora(b, kws.get("lora"), env)
+  optimizer = mup.settle(optimizer, run, kws, lambda f: b.eval(f, env), form.loc)  # μP
   return loss, data, optimizer, run, form.loc
+

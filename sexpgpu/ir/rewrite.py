@@ -58,8 +58,8 @@ def rewrite(graph: Graph, patterns: bool = True, *, xent_min_vocab: int = XENT_M
     region inside a repeat body is listed once, with `times` set to the count).
   """
   roots = list(graph.outputs.values()) + [n for ns in graph.taps.values() for n in ns]
-  rw = _Rewriter(patterns, _use_counts(roots), xent_min_vocab, xent_chunk)
-  frame = _Frame(None, 1)
+  rw = Rewriter(patterns, use_counts(roots), xent_min_vocab, xent_chunk)
+  frame = Frame(None, 1)
   rw.run(roots, frame)
   new = Graph(graph.name, {k: frame.get(v) or v for k, v in graph.inputs.items()},
               {k: frame.get(v) for k, v in graph.outputs.items()}, dict(graph.params),
@@ -67,7 +67,7 @@ def rewrite(graph: Graph, patterns: bool = True, *, xent_min_vocab: int = XENT_M
   return new, rw.regions
 
 
-def _use_counts(roots: list[Node]) -> dict[int, int]:
+def use_counts(roots: list[Node]) -> dict[int, int]:
   """How many times each node is read (as an input, or as a root), bodies included."""
   uses: dict[int, int] = {}
   for r in roots:
@@ -92,10 +92,10 @@ def _use_counts(roots: list[Node]) -> dict[int, int]:
   return uses
 
 
-class _Frame:
+class Frame:
   """The top level or a repeat body: old uid → new node, and the intern table."""
 
-  def __init__(self, parent: _Frame | None, times: int):
+  def __init__(self, parent: Frame | None, times: int):
     self.parent = parent
     self.times = times
     self.map: dict[int, Node] = {}
@@ -115,7 +115,9 @@ def _key(op: str, inputs: tuple, attrs: tuple) -> tuple:
           attrs)
 
 
-class _Rewriter:
+class Rewriter:
+  """Rebuilds a graph bottom-up, putting the fused patterns in (ir/lora.py extends it)."""
+
   def __init__(self, patterns: bool, uses: dict[int, int], xent_min_vocab: int,
                xent_chunk: int):
     self.patterns = patterns
@@ -124,12 +126,12 @@ class _Rewriter:
     self.xent_chunk = max(xent_chunk, 1)
     self.regions: list[Region] = []
 
-  def run(self, roots: list[Node], frame: _Frame) -> None:
+  def run(self, roots: list[Node], frame: Frame) -> None:
     for node in walk(roots):
       if frame.get(node) is None:
         frame.map[node.uid] = self.rebuild(node, frame)
 
-  def rebuild(self, node: Node, frame: _Frame) -> Node:
+  def rebuild(self, node: Node, frame: Frame) -> Node:
     if self.patterns:
       for pattern in (self._attention, self._cross_entropy):
         out = pattern(node, frame)
@@ -139,7 +141,7 @@ class _Rewriter:
     attrs = node.attrs
     if node.op == "repeat":
       body = node.attr("body")
-      inner = _Frame(frame, frame.times * node.attr("n"))
+      inner = Frame(frame, frame.times * node.attr("n"))
       inner.map[body.carry.uid] = body.carry
       self.run([body.output], inner)
       out = inner.map[body.output.uid]
@@ -149,7 +151,7 @@ class _Rewriter:
     elif isinstance(node.attr("body"), Fn):  # a scan's function runs once a position
       body = node.attr("body")
       xs = node.inputs[node.attr("carries")]
-      inner = _Frame(frame, frame.times * xs.shape[node.attr("axis")])
+      inner = Frame(frame, frame.times * xs.shape[node.attr("axis")])
       for a in body.args:
         inner.map[a.uid] = a
       self.run(list(body.results), inner)
@@ -167,7 +169,7 @@ class _Rewriter:
     frame.interned[key] = new
     return new
 
-  def make(self, frame: _Frame, op: str, inputs: list, attrs: dict, like: Node) -> Node:
+  def make(self, frame: Frame, op: str, inputs: list, attrs: dict, like: Node) -> Node:
     """A new node of `op` (typed by its shape rule) at `like`'s place and scope."""
     attrs_t = tuple(sorted(attrs.items()))
     key = _key(op, tuple(inputs), attrs_t)
@@ -181,7 +183,7 @@ class _Rewriter:
     frame.interned[key] = node
     return node
 
-  def transpose(self, frame: _Frame, x: Node, perm: list[int], like: Node) -> Node:
+  def transpose(self, frame: Frame, x: Node, perm: list[int], like: Node) -> Node:
     if perm == list(range(len(perm))):
       return x
     return self.make(frame, "transpose", [x], {"perm": tuple(perm)}, like)
@@ -190,7 +192,7 @@ class _Rewriter:
     return all(self.uses.get(n.uid, 0) == 1 for n in nodes)
 
   # --- attention ---------------------------------------------------------------
-  def _attention(self, node: Node, frame: _Frame) -> Node | None:
+  def _attention(self, node: Node, frame: Frame) -> Node | None:
     m = match_attention(node, self.single_use)
     if m is None:
       return None
@@ -213,7 +215,7 @@ class _Rewriter:
     return out
 
   # --- cross-entropy -----------------------------------------------------------
-  def _cross_entropy(self, node: Node, frame: _Frame) -> Node | None:
+  def _cross_entropy(self, node: Node, frame: Frame) -> Node | None:
     if node.op != "cross-entropy":
       return None
     logits = node.inputs[0]

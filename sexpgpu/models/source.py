@@ -351,7 +351,10 @@ def logits_graph(c, fn: str, t: int, batch: int = 1, packed: bool = False):
                   f"{getattr(out, 'type_str', type(out).__name__)}, not logits "
                   f"[{batch} {t} vocab]", where=f"--fn {fn}", fix=_candidates_fix(c))
   patterns = env_get("SEXPGPU_PATTERNS") != "off"
-  return rewrite(g, patterns)[0]
+  from sexpgpu.ir.lora import apply  # LoRA's adapters, as the loss's graph has them
+  g = rewrite(apply(g, exp.run.get("lora"), strict=False), patterns)[0]
+  from sexpgpu.ir.mup import follow  # μP's output multiplier, as the loss's graph has it
+  return follow(g, c.stages[0].graph, exp.optimizer)
 
 
 def _is_function(exp, name: str) -> bool:

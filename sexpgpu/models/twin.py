@@ -238,6 +238,8 @@ def find(params: dict, graph: Any, what: str) -> Twin:
   Raises:
     SxError: E-EXPORT-001 naming every parameter that has no place in the twin.
   """
+  from sexpgpu.ir.lora import base_params
+  params = base_params(params)  # LoRA's adapters are beside the base model's twin, not in it
   found = []
   for kind, (anchors, _, _) in KINDS.items():
     first, second = anchors

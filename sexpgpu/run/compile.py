@@ -15,7 +15,9 @@ from sexpgpu.front.experiment import Experiment, LoaderDecl, evaluate
 from sexpgpu.ir.graph import Body, Graph, Param, type_str, walk
 from sexpgpu.ir.ops import dtype_name
 from sexpgpu.ir.printer import fingerprint, print_graph
+from sexpgpu.ir import lora
 from sexpgpu.ir.rewrite import rewrite
+from sexpgpu.ir import mup
 from sexpgpu.lang.program import Program, load_program, load_text
 from sexpgpu.lang.select import (NOT_IN_FINGERPRINT, Selection, format_value, run_slug_stem,
                                   select)
@@ -113,8 +115,9 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
     check_vocabulary(st.graph, st.data, loaders[st.data], exp.loaders[st.data].location)
   patterns = env.get("SEXPGPU_PATTERNS") != "off"
   regions: list = []
+  adapters = exp.run.get("lora")  # LoRA's adapters (ir/lora.py), before the patterns
   for st in stages:
-    st.graph, found = rewrite(st.graph, patterns)
+    st.graph, found = rewrite(lora.apply(st.graph, adapters), patterns)
     if st.index == 0:
       regions = found
   passes = {}
@@ -127,8 +130,9 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
       _check_scalar(out, f"metric {mname} of pass {pname}", p.loc, builder)
       check_sizes(g)
       check_vocabulary(g, p.data, loaders[p.data], exp.loaders[p.data].location)
-      graphs[mname] = rewrite(g, patterns)[0]
+      graphs[mname] = rewrite(lora.apply(g, adapters, strict=False), patterns)[0]
     passes[pname] = graphs
+  mup.apply_stages(stages, passes, exp.optimizer)  # μP's initializers and output multiplier
   params = dict(stages[0].graph.params)
   ir = "\n\n".join(print_graph(s.graph, with_locs=False) for s in stages)
   ir += "".join("\n\n" + print_graph(g, with_locs=False) for gs in passes.values()
@@ -137,6 +141,8 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
   ir += "".join(f"\n\n{d}\n{program.sources[d]}" for d in program.python)
   knobs = "\n".join(f"{k}={format_value(v.value)}" for k, v in sorted(selection.knobs.items())
                     if k not in NOT_IN_FINGERPRINT)
+  if exp.run.get("trainable") is not None:  # what trains is the trajectory (and the state's tree)
+    knobs += "\ntrainable=" + " ".join(exp.run["trainable"].get("patterns"))
   shapes = "\n".join(f"{n}:{sorted(f.items())}" for n, f in sorted(fields.items()))
   return Compiled(program, selection, exp, stages, passes, params, fields, loaders,
                   fingerprint(ir + "\n" + knobs), fingerprint(ir + "\n" + shapes),

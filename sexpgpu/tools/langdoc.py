@@ -12,6 +12,7 @@ import sys
 
 from sexpgpu.reader import Atom, Keyword, List, Symbol, Vector, read_text
 from sexpgpu.front import optimizers
+from sexpgpu.ir import mup
 
 DOC_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "docs", "language.md")
@@ -49,6 +50,13 @@ TOP_FORMS = {
                 "\"choices\", \"gold\"}) or bits_per_byte ({\"text\"}), as "
                 "lm-evaluation-harness scores them; requests packed into rows when F takes "
                 ":segments and :positions; `sexpgpu eval` scores a checkpoint"),
+    "defgenerate": ("(defgenerate NAME :fn F :every N [:seed 0])",
+                    "a program of the trained functions (F of no arguments: loops as scan or "
+                    "repeat, random draws from the key of :seed) that `sexpgpu generate FILE "
+                    "--resume CKPT -o OUT` runs, writing .npz and, for images [b h w c] with c "
+                    "1 or 3, a PNG grid; a function the loss calls keeps its trained "
+                    "parameters whoever calls it; :every is read but running it during "
+                    "training is not built yet"),
     "defcurriculum": ("(defcurriculum (stage NAME :data L :when STEP :set [(KNOB V) ...]) ...)",
                       "stages that change the data or knobs that keep every parameter's shape"),
     "defdiagnostic": ("(defdiagnostic NAME :of (KIND [ARG]) :every N :reduce R)",
@@ -83,12 +91,21 @@ FORM_KEYWORDS = {
     "defpass": ("data", "every", "batches", "metrics"),
     "defsample": ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
     "defeval": ("fn", "tasks", "every", "batch", "limit", "tokenizer"),
+    "defgenerate": ("fn", "every", "seed"),
     "defdiagnostic": ("every", "of", "reduce"),
     "stage": ("data", "when", "set"),
     "defknob": ("choices", "min", "max"),
 }
 
 DEFRUN = {
+    "trainable": "a vector of glob patterns over parameter paths, such as [\"*/lm_head/*\"]: "
+                 "only those parameters get gradients and optimizer state, the others are "
+                 "constants of the step (`check --print params` marks each trained or frozen)",
+    "lora": "(lora :rank R :alpha A :dropout D :targets [\"*/q_proj/w\" ...]): a low-rank "
+            "adapter beside each matmul whose weight a target names, x·W + (A/R)·(x·a)·b, a "
+            "with a fan-in init and b zeros, at `PATH.lora_a` and `PATH.lora_b`, stacked as "
+            "the weight; only the adapters train unless `:trainable` names more (default "
+            ":alpha 2·rank, :dropout 0)",
     "loss": "the loss function of the batch (a float scalar)",
     "data": "the training loader",
     "optimizer": "an optimizer, such as (adamw :lr 1e-3)",
@@ -111,6 +128,12 @@ DEFRUN = {
                  "--init-from, SEXPGPU_INIT_FROM; --resume wins)",
     "init-partial": "true: parameters that :init-from lacks are initialized as declared "
                     "(default false: E-INIT-001)",
+    "parametrization": "standard (default: the model as written) or mup: μP's init scales, "
+                       "learning-rate factors (Adam's or SGD's) and 1/m on the readout's "
+                       "logits, from each parameter's role and m = width / :base-width "
+                       "(`check --print params` shows them; a name or a knob, not a --set knob)",
+    "base-width": "under :parametrization mup, the width (the readout's fan-in) at which μP is "
+                  "the model as written: where the learning rate was tuned",
 }
 
 LOADER_KEYWORDS = {
@@ -118,24 +141,50 @@ LOADER_KEYWORDS = {
     "seed": "the data's own seed", "branching": "successors per Markov state",
     "stream": "an independent stream of the same source (0, 1, ...)",
     "shuffle": "shuffle records (default: true for training, false for passes)",
-    "split": "[FROM TO] fractions of the records, such as [0 0.9]",
+    "split": "[FROM TO] fractions of the records, such as [0 0.9]; text: of the documents or "
+             "of the tokens (:split-by)",
+    "split-by": "text: what :split counts, \"tokens\" (cut within documents: one book split "
+                "90/10, nanoGPT's way) or \"documents\" (whole ones); the default is tokens for "
+                "a cache of one document or a text file, documents for more",
     "digits": "digits per operand", "dtype": "the token file's width, u16 by default",
     "fields": "[x y]: the arrays to read", "pack": "concat (the default) lays documents end to end; docs places whole documents in rows",
     "offsets": "random (the default for training) cuts rows anew each epoch; fixed (passes) does not",
     "stride": "tokens between windows (default seq)", "path": "the file (relative or s3://)",
     "components": "written positionally: (mix (0.7 LOADER) (0.3 LOADER) :batch B)",
+    "tokenizer": "chat, pairs: a tokenizer.json (relative to the .sx file); the "
+                 "chat_template of the tokenizer_config.json beside it renders conversations",
+    "train-on": "chat: the tokens :mask is 1 on, those the assistant wrote (the default) or "
+                "all of each conversation's",
 }
 LOADERS = {
-    "markov": "a random Markov chain of tokens (:tokens); check prints its entropy rate",
-    "copy": "copy a random token sequence (:tokens)",
-    "reverse": "reverse a random token sequence (:tokens)",
-    "sort": "sort a random token sequence (:tokens)",
-    "add": "add two numbers digit by digit (:tokens)",
+    "markov": "a random Markov chain of tokens (:tokens [B seq], each row a walk from the "
+              "chain's stationary law); check prints its entropy rate",
+    "copy": "copy a random token sequence: :tokens [B seq] is `x, 1, x, 0…` (L = (seq−1)//2 "
+            "symbols x drawn from 2..vocab−1, the separator 1, the answer, padding 0) and "
+            ":mask [B seq] (bool) is true exactly on the answer's L positions",
+    "reverse": "reverse a random token sequence: :tokens is `x, 1, reversed x, 0…` and :mask "
+               "true on the reversed x (the second half), laid out as `copy`'s",
+    "sort": "sort a random token sequence: :tokens is `x, 1, sorted x, 0…` and :mask true on "
+            "the sorted x, laid out as `copy`'s",
+    "add": "add two numbers digit by digit: :tokens is `a, 1 (+), b, 2 (=), c, 0…` with a and b "
+           "D digits, c = a + b D+1 digits, most significant first, zero-padded, digit d as "
+           "token 3+d (a vocabulary of 13); :mask true on c's digits; :seq defaults to 3D+3",
     "tokens": "windows of a flat token file, nanoGPT's .bin layout (:tokens)",
     "bytes": "windows of a file's bytes (:tokens)",
     "arrays": "rows of the named arrays of an .npz (one field per array)",
     "mix": "a weighted mixture of other loaders",
-    "text": "a `sexpgpu tokenize` cache in rows of packed documents (:tokens :segments :positions)",
+    "text": "a `sexpgpu tokenize` cache in rows of packed documents (:tokens :segments "
+            ":positions); a text file instead is one document of characters, as `tokenize "
+            "--chars` makes them",
+    "chat": "conversations, one JSON line each ({\"messages\": [{\"role\", \"content\"}, "
+            "...]}), rendered with the :tokenizer's chat template as transformers' "
+            "apply_chat_template renders it (ChatML when its tokenizer_config.json has none), "
+            "packed whole into rows (:tokens :segments :positions) with :mask 1 on the "
+            "assistant's tokens (its end-of-turn marker included)",
+    "pairs": "preference pairs, one JSON line each ({\"prompt\", \"chosen\", \"rejected\"}: "
+             "text with :tokenizer, or token ids): :chosen and :rejected (the prompt, then "
+             "the continuation, padded at the end) and :chosen-mask and :rejected-mask, 1 on "
+             "the continuation (DPO's sequence-logps and dpo-loss)",
 }
 
 # Builtins that are not ops of the IR (they fold statically or make configuration values):
@@ -145,6 +194,15 @@ FUNCTIONS = {
     "dim": ("(dim X AXIS)", "a static size"), "shape": ("(shape X)", "a static vector"),
     "rank": ("(rank X)", "the static number of axes"),
     "nil?": ("(nil? V)", "static: whether V is nil"),
+    "assert": ('(assert COND "message" :fix "how")',
+               "nothing when the static COND holds; else E-ARG-001 with the message and fix, "
+               "told at the call of the function around it written in the user's files (at "
+               "the keyword's value when COND names that keyword), never inside std"),
+    "bool?": ("(bool? V)", "static: whether V is true or false"),
+    "number?": ("(number? V)", "static: whether V is a finite int or float (not a boolean)"),
+    "int?": ("(int? V)", "static: whether V is an integer (not a boolean)"),
+    "string?": ("(string? V)", "static: whether V is a string"),
+    "fn?": ("(fn? V)", "static: whether V is a function (a defn, fn or primitive)"),
     "zeros": ("(zeros SHAPE :dtype D)", "a tensor of zeros; as :init, zeros"),
     "ones": ("(ones SHAPE :dtype D)", "a tensor of ones; as :init, ones"),
     "normal": ("(normal STD)", "initializer"),
@@ -185,8 +243,17 @@ STD = {
                       ":act the MLP's activation (gelu; relu2, …), as gpt2's and llama's :act",
     "lm-inputs": "tokens without the last position",
     "lm-targets": "tokens without the first position",
-    "next-token-loss": "cross-entropy of logits against the next tokens; :z-loss Z adds "
-                       "PaLM's Z · mean(logsumexp(logits)²), tapped as lm/z-loss",
+    "next-token-loss": "cross-entropy of logits against the next tokens; :segments counts "
+                       "targets in their input's document, :mask [b t] only targets whose "
+                       "mask is 1 (averaged over those); :z-loss Z adds PaLM's "
+                       "Z · mean(logsumexp(logits)²), tapped as lm/z-loss",
+    "loss-mask": "[b t-1] the targets next-token-loss counts from :segments and :mask "
+                 "(nil when both are nil)",
+    "sequence-logps": "[b] each row's summed log-probability of the targets whose mask is 1 "
+                      "(:mean true: their mean, for IPO)",
+    "dpo-loss": "DPO's sigmoid loss (Rafailov et al.) of [b] policy and reference "
+                "sequence log-probabilities, :beta β; :ipo true for IPO's squared loss; taps "
+                "rewards/chosen, rewards/rejected, rewards/accuracy, rewards/margin",
     "lm-mask": "[b t-1] 1.0 where a target is in its input's segment and not padding",
     "log-partition-penalty": "mean(logsumexp(logits)²) over the positions next-token-loss "
                              "counts (z-loss's term)",
@@ -261,6 +328,21 @@ def _std_functions() -> list[tuple[str, str, list[str], list[tuple[str, str]]]]:
   return out
 
 
+# The rule of names between a user's files and the standard library (front/experiment.py's
+# std_namespaces and lang/program.py's Program.namespace_of).
+STD_NAMESPACES = (
+    "Each std library keeps its names in its own namespace. In your files, every required "
+    "library's names are visible unqualified, and your own definitions win: a `(defknob block "
+    "64)` or `(defn block ...)` beside `(require std/lm)` is yours, and std/lm's is still "
+    "`lm/block` (every name qualified by its library: `nn/dense`, `gpt2/gpt2`). A library's "
+    "functions see only their own names and those of the libraries they require, never "
+    "yours, so std/lm's `transformer-lm` keeps calling std/lm's `block` whatever you define. "
+    "Two definitions of one name in your own files are E-NAME-002. The public functions "
+    "check their keywords with `assert` (`:z-loss` ≥ 0, `:qk-norm` and `:remat` true or "
+    "false, `:act` a function, `:drop` in [0, 1), `:eps` and `:rope-theta` > 0, an MoE's "
+    "`:k`/`:top-k` in 1..`:experts`): a value refused is E-ARG-001 at your call.")
+
+
 def _check_meanings() -> None:
   """Raises KeyError naming every table entry that has no meaning in this module."""
   from sexpgpu.data import KINDS
@@ -278,7 +360,8 @@ def _check_meanings() -> None:
       ("std function", {n for _, n, _, _ in _std_functions()}, STD),
       ("top-level form", set(CODE_TOP_FORMS), TOP_FORMS),
       ("special form", set(CODE_SPECIAL), SPECIAL_FORMS),
-      ("defrun keyword", {"loss", "data", "optimizer"} | set(RUN_KNOBS), DEFRUN)]
+      ("defrun keyword", {"loss", "data", "optimizer", "trainable", "lora", *mup.KEYS}
+       | set(RUN_KNOBS), DEFRUN)]
   missing = [f"{what} `{n}`" for what, names, table in wanted for n in sorted(names)
              if n not in table]
   if missing:
@@ -370,10 +453,13 @@ def generate() -> str:
                                        for n, ks in FORM_KEYWORDS.items()])
   out += ["", "## defrun", "", "`:loss`, `:data` and `:optimizer`, and the run's own knobs "
           "(each also a `--set` knob; `:steps` may name a defknob):", ""]
-  keys = ("loss", "data", "optimizer") + tuple(RUN_KNOBS)
+  keys = ("loss", "data", "optimizer") + tuple(RUN_KNOBS) + mup.KEYS + ("trainable", "lora")
   out += _table(("keyword", "meaning"), [(f"`:{k}`", DEFRUN[k]) for k in keys])
   out += ["", "## Loaders", "", "`(defloader NAME (KIND [\"path\"] :key value ...))`; the "
-          "file kinds take the path first, relative to the experiment file or an s3:// URI.", ""]
+          "file kinds take the path first, relative to the experiment file or an s3:// URI. "
+          "`sexpgpu check FILE --print batch [--loader NAME]` prints a loader's first "
+          "microbatch: each field's type and first rows, decoded as text where a tokenizer is "
+          "known.", ""]
   rows = []
   for kind, cls in KINDS.items():
     table = cls.arg_table
@@ -390,7 +476,8 @@ def generate() -> str:
   out += _table(("keyword", "meaning"), [(f"`:{k}`", LOADER_KEYWORDS[k] + _choices(k))
                                          for k in used])
   out += ["", "## Optimizers and schedules", ""] + _optimizers(OPTIMIZERS, SCHEDULES, BUILTINS)
-  out += ["", "## The standard library", "", "`(require std/nn)`, `(require std/lm)`:", ""]
+  out += ["", "## The standard library", "", "`(require std/nn)`, `(require std/lm)`:", "",
+          STD_NAMESPACES, ""]
   out += _table(("function", "file", "parameters", "meaning"),
                 [(f"`{n}`", f, " ".join(pos + [f":{k} {d}" for k, d in kws]), STD[n])
                  for f, n, pos, kws in _std_functions()])

@@ -1,0 +1,53 @@
+"""README's example run is every line the first command's run prints, as it prints them.
+
+The losses, counters and line shapes must be equal; what a machine's speed and caches
+decide (seconds, executables compiled against cache hits) is compared as a pattern.
+"""
+
+import os
+import re
+import subprocess
+
+from conftest import BENCH_XLA_FLAGS, ROOT, sexpgpu_cmd
+
+# the parts of a line that depend on the machine: seconds, and the timing lines' counts
+_MACHINE = [re.compile(r"\d+\.\d+s\b"), re.compile(r"\b\d+ compiled\b"),
+            re.compile(r"\b\d+ cache hits?\b"), re.compile(r"median \S+ p90 \S+")]
+
+
+def _shape(line: str) -> str:
+  for pattern in _MACHINE:
+    line = pattern.sub("<machine>", line)
+  return line
+
+
+def _readme_run() -> tuple[str, list[str]]:
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  block = text[text.index("## A run"):]
+  block = block[block.index("```\n") + 4:]
+  lines = block[:block.index("```")].splitlines()
+  assert lines[0].startswith("$ ")
+  return lines[0][2:], lines[1:]
+
+
+def test_readmes_run_is_what_the_run_prints():
+  command, shown = _readme_run()
+  assert command == "sexpgpu run configs/tiny-lm.sx"  # README's first command's run
+  # as a user runs it: XLA's own optimization (the suite turns it off for speed), whose
+  # rounding the last printed digit can see
+  env = {**os.environ, "XLA_FLAGS": BENCH_XLA_FLAGS}
+  r = subprocess.run(sexpgpu_cmd(*command.split()[1:]), cwd=ROOT, capture_output=True,
+                     text=True, timeout=300, env=env)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout == ""  # every line of a run without --json is on standard error
+  printed = r.stderr.splitlines()
+  assert [_shape(x) for x in printed] == [_shape(x) for x in shown]
+
+
+def test_the_machine_patterns_keep_what_must_be_equal():
+  assert _shape("step 10/20 loss 2.90611 | eval/loss 3.01543 | 80 records | 0.2s") == \
+      "step 10/20 loss 2.90611 | eval/loss 3.01543 | 80 records | <machine>"
+  assert _shape("timing kernels 0 compiled in 0.764s, 18 cache hits") == \
+      "timing kernels <machine> in <machine>, <machine>"
+  assert _shape("done: 20 steps, train/loss 2.0508") == "done: 20 steps, train/loss 2.0508"
