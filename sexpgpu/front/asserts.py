@@ -17,8 +17,8 @@ from sexpgpu.errors import Loc, SxError
 from sexpgpu.front.build import Builder, Call, is_tensor, truthy
 from sexpgpu.front.prims import BUILTINS, builtin
 from sexpgpu.front.values import Builtin, Closure
-from sexpgpu.lang.blame import is_std
-from sexpgpu.reader import Atom, Form, List, Symbol, Vector
+from sexpgpu.lang.blame import is_std, walk_forms
+from sexpgpu.reader import Atom, Form, Symbol
 
 
 @builtin("assert")
@@ -50,7 +50,7 @@ def _site(call: Call) -> tuple[Loc, list[tuple[str, str]]]:
   in the innermost call written outside the standard library that led to it; the call itself
   when it names none; the assert when no such call is found (a loss called by the loop)."""
   # the names the condition tests, first written first: `(<= k experts)` is about :k
-  names = list(dict.fromkeys(str(f.value) for f in _walk(call.arg_forms[0])
+  names = list(dict.fromkeys(str(f.value) for f in walk_forms(call.arg_forms[0])
                              if isinstance(f, Atom) and isinstance(f.value, Symbol)))
   checked = [("checked at", f"{call.loc} ({_short(call.form)})")]
   frame = sys._getframe(1)
@@ -67,15 +67,6 @@ def _site(call: Call) -> tuple[Loc, list[tuple[str, str]]]:
         return outer.loc, checked
     frame = frame.f_back
   return call.loc, []
-
-
-def _walk(form: Form):
-  stack = [form]
-  while stack:
-    f = stack.pop()
-    yield f
-    if isinstance(f, (List, Vector)):
-      stack.extend(reversed(f.items))
 
 
 def _short(form: Form, width: int = 60) -> str:

@@ -176,7 +176,8 @@ def _std_functions(program: Program) -> dict[str, List]:
   return out
 
 
-def _walk(form: Form) -> Iterator[Form]:
+def walk_forms(form: Form) -> Iterator[Form]:
+  """Every form within `form`, itself first, in reading order."""
   stack = [form]
   while stack:
     f = stack.pop()
@@ -186,7 +187,7 @@ def _walk(form: Form) -> Iterator[Form]:
 
 
 def _user_calls(program: Program, std_fns: dict[str, List]) -> list[List]:
-  return [f for top in program.forms if not is_std(top.loc.file) for f in _walk(top)
+  return [f for top in program.forms if not is_std(top.loc.file) for f in walk_forms(top)
           if isinstance(f, List) and head_symbol(f) in std_fns]
 
 
@@ -206,7 +207,7 @@ def _divisors(program: Program, loc: Loc) -> set[str]:
   for form in program.forms:
     if (form.loc.file == loc.file and head_symbol(form) == "defn"
         and form.loc.line <= loc.line <= form.loc.end_line):
-      return {str(f.items[2].value) for f in _walk(form)
+      return {str(f.items[2].value) for f in walk_forms(form)
               if head_symbol(f) == "/" and len(f.items) == 3 and isinstance(f.items[2], Atom)
               and isinstance(f.items[2].value, Symbol)}
   return set()
