@@ -12,8 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what it changes (the speed of the code, a last digit of a sum), so it is off here, for
 # this process and the runs it starts; the benchmark test turns it back on (BENCH_XLA_FLAGS).
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-BENCH_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
-if "xla_backend_optimization_level" not in BENCH_XLA_FLAGS:
+# the flags as the user's runs have them: a pytest-xdist worker inherits the controller's
+# XLA_FLAGS with FAST_COMPILE already in them, so it is taken out by name
+BENCH_XLA_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                           if f != FAST_COMPILE)
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (BENCH_XLA_FLAGS + " " + FAST_COMPILE).strip()
 
 
