@@ -20,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import flags  # noqa: E402
 
 from sexpgpu import env  # noqa: E402
-from sexpgpu.cli import help as _help  # noqa: E402
+from sexpgpu.cli import help as cli_help  # noqa: E402
 from sexpgpu.errors import SxError, traceback_text  # noqa: E402
 from sexpgpu.lang.blame import guarded  # noqa: E402
 from sexpgpu.run import output  # noqa: E402
@@ -96,7 +96,7 @@ def parse_flags(fv: flags.FlagValues, argv: list[str], command: str) -> list[str
   """Parses a command's flags; `-h`/`--help` prints the command's help instead.
 
   Raises:
-    _help.Help: the help was asked for (the CLI prints it and exits 0).
+    cli_help.Help: the help was asked for (the CLI prints it and exits 0).
     SxError: E-FORM-001 for a flag that does not parse.
   """
   # absl spells multi-word flags with underscores; accept the documented dashes too.
@@ -135,7 +135,7 @@ def _check_values(fv: flags.FlagValues, argv: list[str], command: str) -> None:
   (absl would read `0x10` as 16 and `1_0` as 10) and fit in 64 bits; numbers are finite.
 
   Raises:
-    _help.Help: `-h`/`--help` where a flag stands.
+    cli_help.Help: `-h`/`--help` where a flag stands.
     SxError: E-FORM-001 naming the flag and the value.
   """
   i = 0
@@ -143,7 +143,7 @@ def _check_values(fv: flags.FlagValues, argv: list[str], command: str) -> None:
     token = argv[i]
     i += 1
     if token in HELP_FLAGS:
-      raise _help.Help(_help.command_help(command, fv, _commands().get(command)))
+      raise cli_help.Help(cli_help.command_help(command, fv, _commands().get(command)))
     if not _looks_like_flag(token):
       continue
     name, eq, value = token.lstrip("-").partition("=")
@@ -406,7 +406,7 @@ def _main(argv: list[str]) -> int:
   if not argv or argv[0] in ("-h", "--help", "-help", "help"):
     if len(argv) >= 2 and argv[0] == "help":
       return _main([argv[1], "--help"])
-    output.write(sys.stdout if argv else sys.stderr, _help.program_help(_commands()))
+    output.write(sys.stdout if argv else sys.stderr, cli_help.program_help(_commands()))
     return 0 if argv else 1
   command = argv[0]
   commands = _commands()
@@ -420,7 +420,7 @@ def _main(argv: list[str]) -> int:
     sys.unraisablehook = lambda unraisable: None
   try:
     return commands[command](argv[1:])
-  except _help.Help as h:
+  except cli_help.Help as h:
     output.write(sys.stdout, h.text)
     return 0
   except SxError as e:
