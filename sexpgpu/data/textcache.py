@@ -112,6 +112,29 @@ def char_tokenizer(chars: list[str], eos: str = EOS):
   return tok
 
 
+def _byte_chars() -> dict[int, str]:
+  """GPT-2's printable stand-in for each byte, the alphabet of `tokenizers`' ByteLevel."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+  rest = [b for b in range(256) if b not in keep]
+  return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+def byte_tokenizer():
+  """The tokenizer of a `bytes` loader's model: id b is byte b, text encodes as its UTF-8
+  bytes and ids decode as UTF-8 (a sequence cut inside a character decodes to U+FFFD).
+
+  Built with the library's own parts (a BPE model of the 256 byte stand-ins and no merges,
+  the ByteLevel pre-tokenizer and decoder), so `sample`, `eval` and a notebook take text
+  prompts and print text for a model trained on a file's bytes.
+  """
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  tok = Tokenizer(models.BPE({ch: b for b, ch in _byte_chars().items()}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  return tok
+
+
 def char_unknown(tok, text: str) -> list[str]:
   """The characters of `text` that a tokenizer drops (no token's offsets cover them).
 

@@ -304,13 +304,19 @@ def tokenizer_path(c) -> str | None:
 
 def tokenizer_of(c, given: str | None):
   """The tokenizer (a `tokenizers.Tokenizer`) from --tokenizer or a text loader's local
-  cache, or None: then prompts and continuations are token ids."""
+  cache (or the one it made of a text file's characters), UTF-8 bytes for a model on a
+  `bytes` loader, or None: then prompts and continuations are token ids."""
   from tokenizers import Tokenizer
   path = given if given is not None else tokenizer_path(c)
   if path is None:  # a text loader reading a text file by characters made its own
     made = [ld.tokenizer_json for ld in c.loaders.values()
             if isinstance(getattr(ld, "tokenizer_json", None), str)]
-    return Tokenizer.from_str(made[0]) if made else None
+    if made:
+      return Tokenizer.from_str(made[0])
+    if any(ld.kind == "bytes" for ld in c.loaders.values()):  # a file's bytes: UTF-8
+      from sexpgpu.data.textcache import byte_tokenizer
+      return byte_tokenizer()
+    return None
   text = bounded.read_text(path, limit=TOKENIZER_BYTES, what="tokenizer", code="E-TOK-002",
                            where="--tokenizer", fix="pass a tokenizer.json file (a Llama 3 "
                            "one is 9 MiB)")
