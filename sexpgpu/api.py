@@ -249,7 +249,8 @@ class Experiment:
 
   def sample(self, params, prompt, tokens: int = 200, temperature: float = 0.8,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, fn: str | None = None,
-             tokenizer: str | None = None, checkpoint_dir: str | None = None) -> Sample:
+             tokenizer: str | None = None, checkpoint_dir: str | None = None,
+             window: str | None = None) -> Sample:
     """A continuation of a prompt, as `sexpgpu sample` writes it.
 
     Args:
@@ -263,28 +264,37 @@ class Experiment:
       seed: the sampling seed.
       fn: the function of tokens that returns logits (default: the one a defsample
         names, else the only candidate).
-      tokenizer: a tokenizer.json (default: the text loader's cache's).
+      tokenizer: a tokenizer.json (default: the text loader's cache's; UTF-8 bytes for a
+        model on a `bytes` loader).
       checkpoint_dir: where a checkpoint "latest" is looked for.
+      window: "recompute" slides the window past a position table or an attention window
+        (`--window recompute`); None decodes incrementally where the model allows.
 
     Returns:
       A Sample (`.text`, `.ids`).
 
     Raises:
       SxError: as `sexpgpu sample` (E-SAMPLE-001 for no such function, E-FORM-001 for a
-        token outside the vocabulary).
+        token outside the vocabulary or a character the tokenizer lacks, E-SAMPLE-002 for
+        a continuation past a position table or window without `window="recompute"`).
     """
     from sexpgpu.models import sample, source
+    if window not in (None, "recompute"):
+      raise SxError("E-FORM-001", f"window is {window!r}; it takes \"recompute\" or None",
+                    where="window", fix='pass window="recompute" to slide the window, or '
+                    "leave it out")
     weights, _ = self._weights(params, checkpoint_dir)
     fn = fn or source.default_fn(self._c)
     tok = sample.tokenizer_of(self._c, tokenizer)
     if isinstance(prompt, (list, tuple)):
       ids = [int(i) for i in prompt]
     else:
-      ids = tok.encode(prompt).ids if tok is not None else sample.parse_ids(str(prompt))
+      ids = (sample.encode_prompt(tok, prompt) if tok is not None
+             else sample.parse_ids(str(prompt)))
     settings = sample.Settings(int(tokens), float(temperature), int(top_k), float(top_p),
                                int(seed))
     sample.check_settings(settings, name=lambda field: field)  # as the keyword is named here
-    result = sample.generate(self._c, fn, weights, ids, settings)
+    result = sample.generate(self._c, fn, weights, ids, settings, window)
     text = tok.decode(result.ids) if tok is not None else " ".join(map(str, result.ids))
     return Sample(result.ids, text, ids, result.path, result.tokens_per_s)
 

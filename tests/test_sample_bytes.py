@@ -63,3 +63,18 @@ def test_a_bytes_model_takes_a_text_prompt_and_prints_utf8(model, capsys):
   assert main(args) == 0
   assert capsys.readouterr().out == bytes(out["prompt_ids"] + out["ids"]).decode(
       "utf-8", "replace") + "\n"
+
+
+def test_the_notebook_api_samples_as_the_command_does(model):
+  import sexpgpu
+  from sexpgpu.errors import SxError
+  path, step = model
+  exp = sexpgpu.compile(path)
+  got = exp.sample(step, "café ✓", tokens=6, temperature=0)
+  assert got.prompt_ids == list("café ✓".encode("utf-8"))
+  assert got.text == bytes(got.ids).decode("utf-8", "replace")
+  slid = exp.sample(step, "café ✓", tokens=6, temperature=0, window="recompute")
+  assert slid.path == "recompute" and slid.ids == got.ids  # inside the window: the same
+  with pytest.raises(SxError) as e:
+    exp.sample(step, "café", window="sideways")
+  assert e.value.code == "E-FORM-001" and e.value.where == "window"
