@@ -48,15 +48,14 @@ def start(recorded: dict) -> None:
 def record(recorded: dict, fn, as_name: str | None, scope: tuple[str, ...],
            stack: tuple[int, ...], loc: Loc | None) -> None:
   """The loss's build calls `fn` (under `as_name`) opening `scope` inside `stack` repeats."""
-  places = recorded.setdefault(fn, {}).setdefault(as_name, [])
-  if all(p.scope != scope for p in places):
-    places.append(Place(scope, stack, loc))
+  places = recorded.setdefault(fn, {}).setdefault(as_name, {})  # scope → Place: a recursion
+  places.setdefault(scope, Place(scope, stack, loc))           # thousands deep stays linear
 
 
 def finish(recorded: dict) -> None:
   """After a loss's build: its calls become the homes other programs' calls open."""
   for fn, homes in recorded.items():
-    _HOMES[fn] = homes
+    _HOMES[fn] = {as_name: list(places.values()) for as_name, places in homes.items()}
 
 
 def _owns(params: dict, scope: tuple[str, ...]) -> bool:
