@@ -1,7 +1,6 @@
 """docs/language.md is generated from the code's tables and kept in step with them."""
 
 import os
-import re
 
 import pytest
 
@@ -28,22 +27,6 @@ def test_a_new_loader_keyword_without_an_entry_fails(monkeypatch):
                       type(table)(table.required, {**table.optional, "temperature": 1.0}))
   with pytest.raises(KeyError, match="temperature"):
     langdoc.generate()
-
-
-def _source(*parts):
-  with open(os.path.join(ROOT, "sexpgpu", *parts), encoding="utf-8") as f:
-    return f.read()
-
-
-def test_form_keywords_match_the_evaluator():
-  code = _source("front", "experiment.py") + _source("front", "build.py") + \
-      _source("lang", "program.py")
-  found = {}
-  for kws, what in re.findall(r"(?:split_keywords|_keywords)\([^()]*?\(([^()]*)\),\s*\"(\w+)\"\)",
-                              code):
-    found[what] = tuple(re.findall(r'"([\w-]+)"', kws))
-  for form, kws in langdoc.FORM_KEYWORDS.items():
-    assert found.get(form) == kws, (form, found.get(form))
 
 
 def test_every_std_function_is_listed():

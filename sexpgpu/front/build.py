@@ -11,10 +11,11 @@ from sexpgpu.front.values import Batch, Builtin, Closure, Env, ParamRef, Spec
 from sexpgpu.ir.graph import Body, Graph, Init, Node, Param, type_str
 from sexpgpu.ir.roles import check_role
 from sexpgpu.ir.shapes import ShapeRuleError, infer, literal_type
+from sexpgpu.lang.forms import SPECIALS
 from sexpgpu.lang.program import split_keywords, std_libraries_of
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
 
-SPECIAL_FORMS = ("let", "if", "fn", "repeat", "param", "tap", "get", "or", "and", "not", "do")
+SPECIAL_FORMS = tuple(SPECIALS)  # declared in lang/forms.py; each evaluated by `_sf_NAME`
 
 
 @dataclasses.dataclass
@@ -384,7 +385,7 @@ class Builder:
                     fix="(param w [in out] :init (fan-in 1.0))")
     name = str(form.items[1].value)
     shape = self.eval(form.items[2], env)
-    kw = self._keywords(form, 3, env, ("init", "dtype", "role"), "param")
+    kw = self._keywords(form, 3, env, SPECIALS["param"].keys, "param")
     init = as_init(kw.get("init", Init("zeros")), form)
     dtype = str(kw.get("dtype", "f32"))
     shape = static_shape(shape, form.items[2])
@@ -413,7 +414,7 @@ class Builder:
                     f"{describe(n)}", location=form.items[1].loc, fix="(repeat 4 F X)")
     fn = self.eval(form.items[2], env)
     x = self.eval(form.items[3], env)
-    kw = self._keywords(form, 4, env, ("remat", "as"), "repeat")
+    kw = self._keywords(form, 4, env, SPECIALS["repeat"].keys, "repeat")
     if not is_tensor(x):
       raise SxError("E-TYPE-001", f"repeat's input must be a tensor; found {describe(x)}",
                     location=form.items[3].loc, fix="pass the tensor F is applied to")

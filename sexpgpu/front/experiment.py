@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any
 
@@ -13,10 +12,13 @@ from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
 from sexpgpu.front import optimizers, pyops, tuning
 from sexpgpu.front import asserts  # noqa: F401  (registers assert and its predicates)
+from sexpgpu.front.keywords import (keys as _keys, loader_name as _loader_name, need as _need,
+                                    static as _static, value as _value)
 from sexpgpu.front.namespaces import std_namespaces
 from sexpgpu.front.prims import BUILTINS, DTYPE_VALUES
 from sexpgpu.front.values import Closure, Env, ParamRef, Spec
 from sexpgpu.ir import mup
+from sexpgpu.lang.forms import CLAUSES, FORMS, MAX_PASS_BATCHES, reads
 from sexpgpu.lang.program import Program, literal_value, split_keywords
 from sexpgpu.lang.select import RUN_KNOBS, Selection
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
@@ -55,9 +57,7 @@ class PassDecl:
   batches_loc: Loc | None = None
 
 
-# The most microbatches a pass reads: its batch index reaches the step as an int32 (the key
-# of its random ops folds it in). A finite split bounds it further (run/passes.check_batches).
-MAX_PASS_BATCHES = 2**31 - 1
+MAX_PASS_BATCHES = MAX_PASS_BATCHES  # the most microbatches a pass reads (lang/forms.py)
 
 
 @dataclasses.dataclass
@@ -149,6 +149,8 @@ class Experiment:
   run: dict[str, Any]
   run_loc: Loc
   generates: dict[str, GenerateDecl] = dataclasses.field(default_factory=dict)
+  # every top-level form's declarations by form and name (a form without a name: its value)
+  found: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def builder(self, selected_taps=frozenset()) -> Builder:
     return Builder(self.env, selected_taps,
@@ -161,8 +163,27 @@ def global_env(knobs: dict[str, Any]) -> Env:
   return Env(env, dict(knobs))
 
 
+@dataclasses.dataclass
+class TopLevel:
+  """What a top-level form's reader sees, `reader(top, form, env)` (lang/forms.py; `env` the
+  namespace its name goes to): the builder, the global environment, the program and the
+  selection, and what the forms read so far made (`found`: form → name → declaration, or
+  form → value for a form without a name)."""
+
+  b: Builder
+  env: Env
+  program: Program
+  selection: Selection
+  found: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def of(self, form: str) -> dict[str, Any]:
+    """The declarations of the top-level form `form` read so far, by name."""
+    return self.found.setdefault(form, {})
+
+
 def evaluate(program: Program, selection: Selection) -> Experiment:
-  """Evaluates the top-level forms under the selection's knob values.
+  """Evaluates the top-level forms under the selection's knob values, each through its
+  declaration's reader (lang/forms.py's FORMS).
 
   Raises:
     SxError: any E-NAME, E-FORM, E-TYPE, E-RUN or E-CURR found at the top level.
@@ -173,60 +194,25 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
   env.parent.vars.update(pyops.load_all(program))
   spaces, qualified = std_namespaces(program, env)
   b = Builder(env, knob_locs={k: d.loc for k, d in program.knobs.items()})
-  loaders: dict[str, LoaderDecl] = {}
-  passes: dict[str, PassDecl] = {}
-  samples: dict[str, SampleDecl] = {}
-  evals: dict[str, EvalDecl] = {}
-  generates: dict[str, GenerateDecl] = {}
-  diags: dict[str, DiagDecl] = {}
-  curriculum: list[StageDecl] = []
-  genv = env.vars
-  for form in program.forms:
-    head = head_symbol(form)
-    if head == "defrun":
-      continue
-    if head == "defcurriculum":
-      if curriculum:
-        raise SxError("E-NAME-002", "defcurriculum is defined twice", location=form.loc,
-                      fix="write every stage in one defcurriculum")
-      curriculum = _curriculum(b, form, env, program, selection)
+  top = TopLevel(b, env, program, selection)
+  # in order, those declared `after` (defrun: it names the others' declarations) last
+  for form in sorted(program.forms, key=lambda f: FORMS[head_symbol(f)].after):
+    fdef = FORMS[head_symbol(form)]
+    if fdef.defines is None:
+      top.found[fdef.name] = fdef.reader(top, form, env)
       continue
     name = str(form.items[1].value)
     lib = program.namespace_of(form)  # a std library's definitions go to its own namespace
     fenv = spaces[lib] if lib else env
-    if head == "def":
-      if len(form.items) != 3:
-        raise SxError("E-FORM-001", "def takes a name and a value", location=form.loc,
-                      fix=f"(def {name} EXPR)")
-      value = b.eval(form.items[2], fenv)
-      if is_tensor(value):
-        raise SxError("E-TYPE-001", f"def {name} is a tensor: def binds static values only",
-                      location=form.items[2].loc, fix="compute tensors inside a defn")
+    value = top.of(fdef.name)[name] = fdef.reader(top, form, fenv)
+    if fdef.binds:
       fenv.vars[name] = value
-    elif head == "defn":
-      if len(form.items) < 4 or not isinstance(form.items[2], Vector):
-        raise SxError("E-FORM-001", f"defn {name} needs a parameter vector and a body",
-                      location=form.loc, fix=f"(defn {name} [x] BODY)")
-      params, kwparams = parse_params(form.items[2])
-      fenv.vars[name] = Closure(name, params, kwparams, form.items[3:], fenv, form.loc)
-    elif head == "defparam":
-      fenv.vars[name] = _defparam(b, form, fenv)
-    elif head == "defloader":
-      loaders[name] = _loader(b, form, env, program, loaders)
-      genv[name] = loaders[name]
-    elif head == "defpass":
-      passes[name] = _pass(b, form, env, loaders)
-    elif head == "defsample":
-      samples[name] = _sample(b, form, env)
-    elif head == "defeval":
-      evals[name] = _eval(b, form, env, program.base_dir)
-    elif head == "defgenerate":
-      generates[name] = _generate(b, form, env)
-    elif head == "defdiagnostic":
-      diags[name] = _diagnostic(b, form, env)
     if lib and name in fenv.vars:
       qualified[f"{lib}/{name}"] = fenv.vars[name]
-  loss, data, optimizer, run, run_loc = _run(b, program, env, selection, loaders)
+  loaders, passes, samples = top.of("defloader"), top.of("defpass"), top.of("defsample")
+  evals, generates, diags = top.of("defeval"), top.of("defgenerate"), top.of("defdiagnostic")
+  curriculum = top.found.get("defcurriculum") or []
+  loss, data, optimizer, run, run_loc = top.found["defrun"]
   for st in curriculum:
     if st.data is not None and st.data not in loaders:
       raise SxError("E-NAME-001", f"stage {st.name}: no loader `{st.data}`", location=st.loc,
@@ -241,28 +227,54 @@ def evaluate(program: Program, selection: Selection) -> Experiment:
       raise SxError("E-NAME-002", f"`{name}` names both a defsample and a defeval",
                     location=evals[name].loc)
   return Experiment(program, selection, env, loaders, passes, samples, evals, curriculum, diags,
-                    loss, data, optimizer, run, run_loc, generates)
+                    loss, data, optimizer, run, run_loc, generates, top.found)
 
 
-def _defparam(b: Builder, form: List, env: Env) -> ParamRef:
+@reads("def")
+def _def(top: TopLevel, form: List, env: Env) -> Any:
   name = str(form.items[1].value)
+  if len(form.items) != 3:
+    raise SxError("E-FORM-001", "def takes a name and a value", location=form.loc,
+                  fix=f"(def {name} EXPR)")
+  value = top.b.eval(form.items[2], env)
+  if is_tensor(value):
+    raise SxError("E-TYPE-001", f"def {name} is a tensor: def binds static values only",
+                  location=form.items[2].loc, fix="compute tensors inside a defn")
+  return value
+
+
+@reads("defn")
+def _defn(top: TopLevel, form: List, env: Env) -> Closure:
+  name = str(form.items[1].value)
+  if len(form.items) < 4 or not isinstance(form.items[2], Vector):
+    raise SxError("E-FORM-001", f"defn {name} needs a parameter vector and a body",
+                  location=form.loc, fix=f"(defn {name} [x] BODY)")
+  params, kwparams = parse_params(form.items[2])
+  return Closure(name, params, kwparams, form.items[3:], env, form.loc)
+
+
+@reads("defparam")
+def _defparam(top: TopLevel, form: List, env: Env) -> ParamRef:
+  b, name = top.b, str(form.items[1].value)
   if len(form.items) < 3:
     raise SxError("E-FORM-001", f"defparam {name} needs a shape", location=form.loc,
                   fix=f"(defparam {name} [vocab width] :init (normal 0.02))")
   shape = static_shape(b.eval(form.items[2], env), form.items[2])
-  _, kws, _ = split_keywords(form, 3, ("init", "dtype"), "defparam")
+  kws = _keys(form, 3)
   init = as_init(b.eval(kws["init"], env), kws["init"]) if "init" in kws else as_init(
       BUILTINS["zeros"], form)
-  dtype = str(b.eval(kws["dtype"], env)) if "dtype" in kws else "f32"
+  dtype = str(b.eval(kws["dtype"], env)) if "dtype" in kws else FORMS["defparam"].key(
+      "dtype").default
   return ParamRef(name, shape, init, dtype, form.loc)
 
 
-def _loader(b: Builder, form: List, env: Env, program: Program, known: dict) -> LoaderDecl:
+@reads("defloader")
+def _loader(top: TopLevel, form: List, env: Env) -> LoaderDecl:
   name = str(form.items[1].value)
   if len(form.items) != 3 or not isinstance(form.items[2], List):
     raise SxError("E-FORM-001", f"defloader {name} takes one (KIND ARGS...) form",
                   location=form.loc, fix=f"(defloader {name} (markov :vocab 32 :seq 17 :batch 4 :seed 7))")
-  return _loader_spec(b, name, form.items[2], env, program, known)
+  return _loader_spec(top.b, name, form.items[2], env, top.program, top.of("defloader"))
 
 
 def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
@@ -331,32 +343,13 @@ def _field_names(form: Form) -> list[str]:
                 fix=":fields [x y]")
 
 
-def _static(b: Builder, form: Form, env: Env, what: str) -> Any:
-  v = b.eval(form, env)
-  if is_tensor(v):
-    raise SxError("E-TYPE-001", f"{what} must be static; found {describe(v)}", location=form.loc,
-                  fix="use a number, string or knob")
-  return v
-
-
-def _static_int(b: Builder, form: Form, env: Env, what: str, lo: int) -> int:
-  v = _static(b, form, env, what)
-  if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-    raise SxError("E-TYPE-001", f"{what} must be an integer ≥ {lo}; found {describe(v)}",
-                  location=form.loc, fix=f"{what} 10")
-  return v
-
-
-def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
-  name = str(form.items[1].value)
-  _, kws, _ = split_keywords(form, 2, ("data", "every", "batches", "metrics"), "defpass")
-  for req in ("data", "metrics"):
-    if req not in kws:
-      raise SxError("E-FORM-001", f"defpass {name} needs :{req}", location=form.loc,
-                    fix=f"(defpass {name} :data valid :every 10 :batches 4 :metrics [loss])")
-  data = _loader_name(kws["data"], loaders)
-  every = _static_int(b, kws["every"], env, ":every", 0) if "every" in kws else None
-  batches = _static_int(b, kws["batches"], env, ":batches", 1) if "batches" in kws else 1
+@reads("defpass")
+def _pass(top: TopLevel, form: List, env: Env) -> PassDecl:
+  b, name, kws = top.b, str(form.items[1].value), _keys(form)
+  _need(form, kws)
+  data = _loader_name(kws["data"], top.of("defloader"))
+  every = _value(top.b, form, kws, "every", env)
+  batches = _value(top.b, form, kws, "batches", env)
   if batches > MAX_PASS_BATCHES:
     raise SxError("E-TYPE-001", f"defpass {name}: :batches {batches} is past the most a pass "
                   f"reads, {MAX_PASS_BATCHES} (its batch index is an int32)",
@@ -376,62 +369,51 @@ def _pass(b: Builder, form: List, env: Env, loaders: dict) -> PassDecl:
                   kws["batches"].loc if "batches" in kws else None)
 
 
-def _generate(b: Builder, form: List, env: Env) -> GenerateDecl:
-  _, kws, _ = split_keywords(form, 2, ("fn", "every", "seed"), "defgenerate")
-  name, fn = _model_pass(b, form, env, kws, "defgenerate", ("fn", "every"),
-                         "(defgenerate {name} :fn sample-images :every 500 :seed 0)",
+@reads("defgenerate")
+def _generate(top: TopLevel, form: List, env: Env) -> GenerateDecl:
+  kws = _keys(form)
+  name, fn = _model_pass(top, form, env, kws,
                          "name a defn of no arguments that returns what it generates")
-  every = _static_int(b, kws["every"], env, ":every", 1)
-  seed = _static_int(b, kws["seed"], env, ":seed", 0) if "seed" in kws else 0
+  every = _value(top.b, form, kws, "every", env)
+  seed = _value(top.b, form, kws, "seed", env)
   return GenerateDecl(name, fn.name, every, seed, form.loc)
 
 
-def _model_pass(b: Builder, form: List, env: Env, kws: dict, kind: str, required: tuple,
-                example: str, fn_fix: str) -> tuple[str, Closure]:
-  """A defsample's or defeval's name and :fn (a named defn), each required keyword among
-  its `kws`; `example` is the form written right, `{name}` standing for its name."""
-  name = str(form.items[1].value)
-  for req in required:
-    if req not in kws:
-      raise SxError("E-FORM-001", f"{kind} {name} needs :{req}", location=form.loc,
-                    fix=example.format(name=name))
-  fn = b.eval(kws["fn"], env)
+def _model_pass(top: TopLevel, form: List, env: Env, kws: dict, fn_fix: str
+                ) -> tuple[str, Closure]:
+  """A defsample's, defeval's or defgenerate's name and :fn (a named defn), each keyword its
+  declaration requires among its `kws` (else its declared example as the fix)."""
+  name, kind = str(form.items[1].value), head_symbol(form)
+  _need(form, kws)
+  fn = top.b.eval(kws["fn"], env)
   if not isinstance(fn, Closure) or fn.name is None:
     raise SxError("E-TYPE-001", f"{kind} {name} :fn `{kws['fn']}` is not a function",
                   location=kws["fn"].loc, fix=fn_fix)
   return name, fn
 
 
-def _sample(b: Builder, form: List, env: Env) -> SampleDecl:
-  _, kws, _ = split_keywords(
-      form, 2, ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
-      "defsample")
-  name, fn = _model_pass(
-      b, form, env, kws, "defsample", ("fn", "prompts", "every"),
-      '(defsample {name} :fn lm :prompts ["Once upon"] :tokens 64 :every 500)',
-      "name a defn of tokens [b t] that returns logits")
+@reads("defsample")
+def _sample(top: TopLevel, form: List, env: Env) -> SampleDecl:
+  b, kws = top.b, _keys(form)
+  name, fn = _model_pass(top, form, env, kws, "name a defn of tokens [b t] that returns logits")
   prompts = _static(b, kws["prompts"], env, ":prompts")
   if (not isinstance(prompts, tuple) or not prompts
       or not all(isinstance(p, str) and p.strip() for p in prompts)):
     raise SxError("E-TYPE-001", f"defsample {name} :prompts must be a vector of non-empty "
                   f"strings; found {describe(prompts)}", location=kws["prompts"].loc,
                   fix=':prompts ["Once upon" "The"] (token ids as "3 1 4" without a tokenizer)')
-  tokens = _static_int(b, kws["tokens"], env, ":tokens", 1) if "tokens" in kws else 32
-  every = _static_int(b, kws["every"], env, ":every", 1)
-  temperature = _static_number(b, kws.get("temperature"), env, ":temperature", 0.0, 0.0, None)
-  top_k = _static_int(b, kws["top-k"], env, ":top-k", 0) if "top-k" in kws else 0
-  top_p = _static_number(b, kws.get("top-p"), env, ":top-p", 1.0, 0.0, 1.0)
-  seed = _static_int(b, kws["seed"], env, ":seed", 0) if "seed" in kws else 0
+  tokens, every, temperature, top_k, top_p, seed = (
+      _value(top.b, form, kws, k, env)
+      for k in ("tokens", "every", "temperature", "top-k", "top-p", "seed"))
   return SampleDecl(name, fn.name, tuple(prompts), tokens, every, temperature, top_k, top_p,
                     seed, form.loc)
 
 
-def _eval(b: Builder, form: List, env: Env, base_dir: str) -> EvalDecl:
-  _, kws, _ = split_keywords(form, 2, ("fn", "tasks", "every", "batch", "limit", "tokenizer"),
-                             "defeval")
+@reads("defeval")
+def _eval(top: TopLevel, form: List, env: Env) -> EvalDecl:
+  b, base_dir, kws = top.b, top.program.base_dir, _keys(form)
   name, fn = _model_pass(
-      b, form, env, kws, "defeval", ("fn", "tasks", "every"),
-      '(defeval {name} :fn lm :tasks ["data/choice.jsonl"] :every 500)',
+      top, form, env, kws,
       "name a defn of tokens [b t] that returns logits (with :segments and :positions "
       "keywords its requests are packed)")
   tasks_form = kws["tasks"]
@@ -444,9 +426,7 @@ def _eval(b: Builder, form: List, env: Env, base_dir: str) -> EvalDecl:
   items = tasks_form.items if isinstance(tasks_form, Vector) else [tasks_form] * len(paths)
   tasks = tuple((os.path.join(base_dir, p), getattr(f, "loc", tasks_form.loc))
                 for p, f in zip(paths, items))
-  every = _static_int(b, kws["every"], env, ":every", 1)
-  batch = _static_int(b, kws["batch"], env, ":batch", 1) if "batch" in kws else 8
-  limit = _static_int(b, kws["limit"], env, ":limit", 1) if "limit" in kws else None
+  every, batch, limit = (_value(top.b, form, kws, k, env) for k in ("every", "batch", "limit"))
   tokenizer = None
   if "tokenizer" in kws:
     tokenizer = _static(b, kws["tokenizer"], env, ":tokenizer")
@@ -458,33 +438,9 @@ def _eval(b: Builder, form: List, env: Env, base_dir: str) -> EvalDecl:
   return EvalDecl(name, fn.name, tasks, every, batch, limit, tokenizer, form.loc)
 
 
-def _static_number(b: Builder, form: Form | None, env: Env, what: str, default: float,
-                   lo: float, hi: float | None) -> float:
-  if form is None:
-    return default
-  v = _static(b, form, env, what)
-  if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-      or not lo <= v <= (hi if hi is not None else v)):
-    bound = f"in {lo}..{hi}" if hi is not None else f"≥ {lo}"
-    raise SxError("E-TYPE-001", f"{what} must be a number {bound}; found {describe(v)}",
-                  location=form.loc, fix=f"{what} {default}")
-  return float(v)
-
-
-def _loader_name(form: Form, loaders: dict) -> str:
-  if not (isinstance(form, Atom) and isinstance(form.value, Symbol)):
-    raise SxError("E-FORM-001", f"`{form}` is not a loader name", location=form.loc,
-                  fix="name a defloader")
-  name = str(form.value)
-  if name not in loaders:
-    raise SxError("E-NAME-001", f"no loader `{name}`", location=form.loc,
-                  fix=did_you_mean(name, loaders) or "define it with defloader before using it")
-  return name
-
-
-def _diagnostic(b: Builder, form: List, env: Env) -> DiagDecl:
-  name = str(form.items[1].value)
-  _, kws, _ = split_keywords(form, 2, ("every", "of", "reduce"), "defdiagnostic")
+@reads("defdiagnostic")
+def _diagnostic(top: TopLevel, form: List, env: Env) -> DiagDecl:
+  name, kws = str(form.items[1].value), _keys(form)
   of = kws.get("of")
   kind = head_symbol(of) if of is not None else None
   if kind not in DIAG_KINDS:
@@ -498,23 +454,27 @@ def _diagnostic(b: Builder, form: List, env: Env) -> DiagDecl:
   if kind == "tap" and arg is None:
     raise SxError("E-FORM-001", "(tap NAME) names the tap", location=of.loc,
                   fix="(tap attention/entropy)")
-  reduce = str(literal_value(kws["reduce"])) if "reduce" in kws else "mean"
+  reduce = str(literal_value(kws["reduce"])) if "reduce" in kws else FORMS[
+      "defdiagnostic"].key("reduce").default
   if reduce not in REDUCERS:
     raise SxError("E-FORM-001", f"unknown reducer `{reduce}`", location=kws["reduce"].loc,
                   fix="reducers: " + " ".join(REDUCERS))
-  every = _static_int(b, kws["every"], env, ":every", 1) if "every" in kws else 1
+  every = _value(top.b, form, kws, "every", env)
   return DiagDecl(name, int(every), kind, arg, reduce, form.loc)
 
 
-def _curriculum(b: Builder, form: List, env: Env, program: Program, selection: Selection
-                ) -> list[StageDecl]:
-  stages = []
+@reads("defcurriculum")
+def _curriculum(top: TopLevel, form: List, env: Env) -> list[StageDecl]:
+  if top.found.get("defcurriculum"):
+    raise SxError("E-NAME-002", "defcurriculum is defined twice", location=form.loc,
+                  fix="write every stage in one defcurriculum")
+  stages, selection = [], top.selection
   for st in form.items[1:]:
-    if head_symbol(st) != "stage" or len(st.items) < 2:
+    if head_symbol(st) not in FORMS["defcurriculum"].clauses or len(st.items) < 2:
       raise SxError("E-FORM-001", "defcurriculum holds (stage NAME ...) forms", location=st.loc,
                     fix="(stage long :data train-long :when (< eval/loss 2.2) :set (lr 1e-3))")
     name = str(st.items[1])
-    _, kws, _ = split_keywords(st, 2, ("data", "when", "set"), "stage")
+    _, kws, _ = split_keywords(st, 2, CLAUSES["stage"].keys, "stage")
     data = str(kws["data"]) if "data" in kws else None
     sets = []
     if "set" in kws:
@@ -538,11 +498,11 @@ def _curriculum(b: Builder, form: List, env: Env, program: Program, selection: S
   return stages
 
 
-def _run(b: Builder, program: Program, env: Env, selection: Selection, loaders: dict):
-  form = program.run
-  allowed = ("loss", "data", "optimizer", "trainable", "lora") + mup.KEYS + tuple(RUN_KNOBS)
-  _, kws, _ = split_keywords(form, 1, allowed, "defrun")
-  for req in ("loss", "data", "optimizer"):
+@reads("defrun")
+def _run(top: TopLevel, form: List, env: Env):
+  b, selection, loaders = top.b, top.selection, top.of("defloader")
+  kws = _keys(form, 1)
+  for req in FORMS["defrun"].required:
     if req not in kws:
       raise SxError("E-RUN-002", f"defrun has no :{req}", location=form.loc,
                     fix="(defrun :loss loss :data train :steps 100 :optimizer (adamw :lr 1e-3))")

@@ -227,7 +227,8 @@ class Schedule:
     keywords: (keyword, default); :peak is required.
     make: (peak, warmup, end, total steps, keyword values) → a schedule of the step count;
       `end` is the last learning rate, absolute: :min-lr, or :peak × :floor.
-    written: whether the language has it as a builtin (rsqrt is reserved, not yet written).
+    written: whether the language has it as a builtin of its name (`rsqrt` is not: it is the
+      op 1/√x, and `(rsqrt :peak P)` the old spelling of warmup-rsqrt, front/prims.py).
   """
 
   doc: str
@@ -246,8 +247,11 @@ SCHEDULES: dict[str, Schedule] = {
         "WSD: linear warmup from 0 to :peak, held at :peak, then down to :peak × :floor (or "
         ":min-lr) over the last :decay-fraction of :steps", _PWFS[:4] + (
             ("decay-fraction", 0.2), ("shape", "linear")) + _PWFS[4:], _warmup_stable_decay),
-    "rsqrt": Schedule("linear warmup, then :peak × √(warmup / step)",
-                      (("peak", None), ("warmup", 0)), _rsqrt, written=False),
+    "warmup-rsqrt": Schedule("linear warmup from 0 to :peak, then the inverse square root, "
+                             ":peak × √(warmup / step)", (("peak", None), ("warmup", 0)), _rsqrt),
+    # the old spelling, read as warmup-rsqrt (a Spec of this name still lowers)
+    "rsqrt": Schedule("the old spelling of warmup-rsqrt", (("peak", None), ("warmup", 0)),
+                      _rsqrt, written=False),
 }
 
 

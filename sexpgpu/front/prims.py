@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from typing import Any, Callable
 
 from sexpgpu.errors import SxError
@@ -129,9 +130,13 @@ declared.STATIC.update({
 
 
 def _rsqrt(b: Builder, call: Call):
-  """`(rsqrt X)` the op, `(rsqrt :peak P :warmup W)` the schedule."""
+  """`(rsqrt X)` the op; `(rsqrt :peak P :warmup W)`, the old spelling of the schedule
+  warmup-rsqrt, is still read as it, with a FutureWarning that names the new spelling."""
   if not call.args and "peak" in call.kw:
-    return _schedule("rsqrt", ("peak", "warmup"))(b, call)
+    spec = _schedule("rsqrt", SCHEDULES["rsqrt"])(b, call)  # its errors name `rsqrt` as written
+    warnings.warn(f"{call.loc}: the schedule (rsqrt :peak ...) is now written (warmup-rsqrt "
+                  ":peak ...); rsqrt alone is the op 1/√x", FutureWarning, stacklevel=2)
+    return Spec(spec.kind, "warmup-rsqrt", spec.args, spec.loc)
   return declared.builtins_for(["rsqrt"])["rsqrt"].fn(b, call)
 
 

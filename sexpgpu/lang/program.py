@@ -7,15 +7,12 @@ import os
 from typing import Any
 
 from sexpgpu.errors import Loc, SxError
+from sexpgpu.lang.forms import FORMS, reads, std_spaced, top_names
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector, read_text
 from sexpgpu.reader.read import read_source
 from sexpgpu.reader.forms import head_symbol
 
 STD_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "std")
-
-TOP_FORMS = ("require", "defknob", "defvariant", "def", "defn", "defparam", "defloader",
-             "defpass", "defsample", "defeval", "defgenerate", "defcurriculum", "defdiagnostic",
-             "defrun")
 
 
 @dataclasses.dataclass
@@ -75,13 +72,9 @@ class Program:
 
 
 def _namespace(form: Form, std: dict[str, str]) -> str | None:
-  if head_symbol(form) not in STD_SPACED:
+  if not std_spaced(head_symbol(form)):  # the forms declared std_spaced (lang/forms.py)
     return None
   return std.get(form.loc.file)
-
-
-# The top-level forms whose name a std library keeps in its own namespace.
-STD_SPACED = ("def", "defn", "defparam")
 
 
 def form_error(form: Form, message: str, fix: str, code: str = "E-FORM-001") -> SxError:
@@ -140,16 +133,18 @@ class _Loader:
       head = head_symbol(form)
       if head is None:
         raise form_error(form, f"`{form}` at top level is not a definition",
-                         "top-level forms are " + ", ".join(TOP_FORMS))
-      if head not in TOP_FORMS:
+                         "top-level forms are " + top_names())
+      if head not in FORMS:
         raise form_error(form, f"`{head}` is not a top-level form",
-                         "top-level forms are " + ", ".join(TOP_FORMS))
-      if head == "require":
-        out.extend(self._require(form, abspath, stack))
+                         "top-level forms are " + top_names())
+      fdef = FORMS[head]
+      if fdef.phase == "load":  # require: the forms of the file it names, in its place
+        out.extend(fdef.reader(self, form, abspath, stack))
       else:
         out.append(form)
     return out
 
+  @reads("require")
   def _require(self, form: List, abspath: str, stack: tuple) -> list[Form]:
     if len(form.items) != 2:
       raise form_error(form, "require takes one file", '(require "lib/blocks.sx") or (require std/nn)')
@@ -192,35 +187,31 @@ class _Loader:
 
 
 def _collect(path: str, base_dir: str, forms: list[Form], loader: _Loader) -> Program:
-  knobs: dict[str, KnobDecl] = {}
-  variants: dict[str, list] = {}
+  selected: dict[str, dict] = {}  # form → name → what its reader made (defknob, defvariant)
   rest: list[Form] = []
   runs: list[List] = []
   defined: dict[tuple, Loc] = {}
   for form in forms:
-    head = head_symbol(form)
+    fdef = FORMS[head_symbol(form)]
     name_form = form.items[1] if len(form.items) > 1 else None
-    if head in ("defknob", "defvariant", "def", "defn", "defparam", "defloader", "defpass",
-                "defsample", "defeval", "defgenerate", "defdiagnostic"):
+    if fdef.defines is not None:
       if not (isinstance(name_form, Atom) and isinstance(name_form.value, Symbol)):
-        raise form_error(form, f"{head} needs a name", f"({head} NAME ...)")
+        raise form_error(form, f"{fdef.name} needs a name", f"({fdef.name} NAME ...)")
       name = str(name_form.value)
-      space = "variant" if head == "defvariant" else "value"
       # a std library's names are its own: a user's `block` does not collide with std/lm's
-      key = (space, _namespace(form, loader.std), name)
+      key = (fdef.defines, _namespace(form, loader.std), name)
       if key in defined:
         raise SxError("E-NAME-002", f"`{name}` is defined twice (first at {defined[key]})",
                       location=name_form.loc)
       defined[key] = name_form.loc
-    if head == "defknob":
-      knobs[name] = _parse_knob(form)
-    elif head == "defvariant":
-      variants[name] = _parse_variant(form)
-    elif head == "defrun":
+    if fdef.phase == "select":
+      selected.setdefault(fdef.name, {})[name] = fdef.reader(form)
+      continue
+    if fdef.count == "one":
       runs.append(form)
-      rest.append(form)
-    else:
-      rest.append(form)
+    rest.append(form)
+  knobs: dict[str, KnobDecl] = selected.get("defknob", {})
+  variants: dict[str, list] = selected.get("defvariant", {})
   if len(runs) != 1:
     where = runs[1].loc if len(runs) > 1 else None
     raise SxError("E-RUN-001", "an experiment needs exactly one defrun; found " + str(len(runs)),
@@ -278,6 +269,7 @@ def split_keywords(form: List, start: int, allowed: tuple[str, ...] | None, what
   return pos, kws, locs
 
 
+@reads("defknob")
 def _parse_knob(form: List) -> KnobDecl:
   name = str(form.items[1].value)
   if len(form.items) < 3:
@@ -291,13 +283,14 @@ def _parse_knob(form: List) -> KnobDecl:
   if rest and isinstance(rest[0], Atom) and type(rest[0].value) is str:
     doc = rest.pop(0).value
   fake = List(form.loc, (form.items[0],) + tuple(rest))
-  _, kws, _ = split_keywords(fake, 1, ("choices", "min", "max"), "defknob")
+  _, kws, _ = split_keywords(fake, 1, FORMS["defknob"].keys, "defknob")
   choices = literal_value(kws["choices"]) if "choices" in kws else None
   lo = literal_value(kws["min"]) if "min" in kws else None
   hi = literal_value(kws["max"]) if "max" in kws else None
   return KnobDecl(name, default, doc, choices, lo, hi, form.loc)
 
 
+@reads("defvariant")
 def _parse_variant(form: List) -> list[tuple[str, Form, Loc]]:
   out = []
   for item in form.items[2:]:
@@ -329,7 +322,7 @@ def std_libraries_of(name: str) -> list[str]:
       path = os.path.join(STD_DIR, file)
       for form in read_text(read_source(path, lib + ".sx"), lib + ".sx"):
         head = head_symbol(form)
-        if head in ("def", "defn", "defparam") and len(form.items) > 1:
+        if std_spaced(head) and len(form.items) > 1:
           item = form.items[1]
           if isinstance(item, Atom) and isinstance(item.value, Symbol):
             found.setdefault(str(item.value), []).append(lib)

@@ -29,7 +29,7 @@ RUN_KNOBS: dict[str, Any] = {
 INT32_LIMIT = 2**31
 # The largest float32: a float knob reaches the step as one, so a larger value is infinite.
 F32_MAX = 3.4028234663852886e38
-RUN_CHOICES = {"precision": ("f32", "bf16"), "on-nan": ("stop", "skip"),
+RUN_CHOICES = {"precision": ("f32", "bf16", "fp8"), "on-nan": ("stop", "skip"),
                "sharding": ("replicate", "fsdp", "hsdp")}
 RUN_MIN = {"steps": 0, "microbatches": 1, "checkpoint-every": 0, "keep": 1, "seed": 0}
 # Knobs outside the experiment's identity: a longer resume is the same run.

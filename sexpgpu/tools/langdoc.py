@@ -1,8 +1,11 @@
 """`docs/language.md`, generated from the code's tables: forms, loaders, passes, run, std, ops.
 
-Every name the tables hold needs its one-line meaning here; `python -m sexpgpu.tools.langdoc`
-rewrites the page, and tests/test_docs.py fails when a table gained a name without one or the
-page differs from what this module generates.
+The forms, their keywords and defrun's keys are read from their declarations
+(lang/forms.py), the ops from theirs (ir/ops.py), the optimizers from front/optimizers.py;
+the loaders, builtins and std functions that are not declared with a doc line yet need
+their one-line meaning here. `python -m sexpgpu.tools.langdoc` rewrites the page, and
+tests/test_docs.py fails when a name has no meaning or the page differs from what this
+module generates.
 """
 
 from __future__ import annotations
@@ -13,128 +16,10 @@ import sys
 from sexpgpu.reader import Atom, Keyword, List, Symbol, Vector, read_text
 from sexpgpu.front import optimizers
 from sexpgpu.ir import mup
+from sexpgpu.lang.forms import CLAUSES, FORMS, SPECIALS
 
 DOC_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "docs", "language.md")
-
-TOP_FORMS = {
-    "require": ('(require "lib/blocks.sx") | (require std/nn) | (require "my_ops.py")',
-                "load another file once (relative to the requiring file) or a std library file; "
-                "a `.py` file's `@sexpgpu.op`s join the language, the file run as the experiment "
-                "compiles, with the user's rights: `run` runs those in the experiment's folder or "
-                "below, anything else (another folder, `check`, `bundle`, a bundle's run) only "
-                "with --trust-python or SEXPGPU_TRUST_PYTHON=1, else E-OP-002 lists each file "
-                "and its sha256 before any runs; `check --print requires` lists them and runs "
-                "none"),
-    "defknob": ('(defknob NAME DEFAULT ["doc"] [:choices [...]] [:min X] [:max Y])',
-                "a named setting, overridable by --set and variants; its type is its default's"),
-    "defvariant": ("(defvariant NAME (KNOB VALUE) ...)",
-                   "a named set of knob values (--variant NAME)"),
-    "def": ("(def NAME EXPR)", "a static value computed from knobs"),
-    "defn": ("(defn NAME [PARAMS :kw DEFAULT ...] BODY...)",
-             "a function; keyword parameters with defaults follow the positional ones"),
-    "defparam": ("(defparam NAME SHAPE :init INIT [:dtype f32])",
-                 "a parameter shared by name wherever it is used (tied embeddings)"),
-    "defloader": ("(defloader NAME (KIND ARGS...))", "a data source; the kinds are below"),
-    "defpass": ("(defpass NAME :data L :every N :batches B :metrics [F ...])",
-                "an evaluation pass: each metric a function of the batch returning a scalar"),
-    "defsample": ('(defsample NAME :fn F :prompts ["text" ...] :every N [:tokens 32] '
-                  "[:temperature 0] [:top-k 0] [:top-p 1] [:seed 0])",
-                  "continuations of the prompts while training, as `sample` events and a "
-                  "progress line; F maps tokens [b t] to logits [b t vocab]; prompts are "
-                  "text with a text loader's tokenizer, else token ids (\"3 1 4\")"),
-    "defeval": ('(defeval NAME :fn F :tasks ["T.jsonl" ...] :every N [:batch 8] [:limit K] '
-                "[:tokenizer FILE])",
-                "downstream tasks scored while training, as `eval` events, a progress line "
-                "and the summary's NAME/TASK/acc, acc_norm (multiple choice: {\"context\", "
-                "\"choices\", \"gold\"}) or bits_per_byte ({\"text\"}), as "
-                "lm-evaluation-harness scores them; requests packed into rows when F takes "
-                ":segments and :positions; `sexpgpu eval` scores a checkpoint"),
-    "defgenerate": ("(defgenerate NAME :fn F :every N [:seed 0])",
-                    "a program of the trained functions (F of no arguments: loops as scan or "
-                    "repeat, random draws from the key of :seed) that `sexpgpu generate FILE "
-                    "--resume CKPT -o OUT` runs, writing .npz and, for images [b h w c] with c "
-                    "1 or 3, a PNG grid; a function the loss calls keeps its trained "
-                    "parameters whoever calls it; :every is read but running it during "
-                    "training is not built yet"),
-    "defcurriculum": ("(defcurriculum (stage NAME :data L :when STEP :set [(KNOB V) ...]) ...)",
-                      "stages that change the data or knobs that keep every parameter's shape"),
-    "defdiagnostic": ("(defdiagnostic NAME :of (KIND [ARG]) :every N :reduce R)",
-                      "a sampled measurement: grad-norm, param-norm, update-ratio or tap"),
-    "defrun": ("(defrun :loss F :data L :steps N :optimizer (adamw :lr 1e-3) ...)",
-               "the run; exactly one per experiment"),
-}
-
-SPECIAL_FORMS = {
-    "let": ("(let [a E1 [b c] E2] BODY...)", "sequential bindings; a vector destructures"),
-    "if": ("(if C A B)", "C is static: the branch not taken is never built"),
-    "fn": ("(fn [PARAMS] BODY...)", "an anonymous function (closures allowed, no scope)"),
-    "repeat": ("(repeat N F X :remat B :as NAME)",
-               "apply F N times with N stacked parameter sets (a scan); :remat recomputes"),
-    "param": ("(param NAME SHAPE :init INIT :dtype D :role R)",
-              "a trained parameter of the current scope; :role settles a role the graph does "
-              "not decide (embedding readout hidden expert conv norm bias other)"),
-    "tap": ("(tap NAME X)", "X itself, recorded for a diagnostic that selects NAME"),
-    "get": ("(get BATCH :field) | (get VECTOR I)", "a field of a record batch, or an element"),
-    "or": ("(or A B ...)", "static or"),
-    "and": ("(and A B ...)", "static and"),
-    "not": ("(not A)", "static not"),
-    "do": ("(do E1 ... EN)", "evaluate in order, the last is the value"),
-}
-
-# The keywords of the special forms and top-level forms that take them (checked against
-# the evaluator's source by tests/test_docs.py).
-FORM_KEYWORDS = {
-    "param": ("init", "dtype", "role"),
-    "repeat": ("remat", "as"),
-    "defparam": ("init", "dtype"),
-    "defpass": ("data", "every", "batches", "metrics"),
-    "defsample": ("fn", "prompts", "tokens", "every", "temperature", "top-k", "top-p", "seed"),
-    "defeval": ("fn", "tasks", "every", "batch", "limit", "tokenizer"),
-    "defgenerate": ("fn", "every", "seed"),
-    "defdiagnostic": ("every", "of", "reduce"),
-    "stage": ("data", "when", "set"),
-    "defknob": ("choices", "min", "max"),
-}
-
-DEFRUN = {
-    "trainable": "a vector of glob patterns over parameter paths, such as [\"*/lm_head/*\"]: "
-                 "only those parameters get gradients and optimizer state, the others are "
-                 "constants of the step (`check --print params` marks each trained or frozen)",
-    "lora": "(lora :rank R :alpha A :dropout D :targets [\"*/q_proj/w\" ...]): a low-rank "
-            "adapter beside each matmul whose weight a target names, x·W + (A/R)·(x·a)·b, a "
-            "with a fan-in init and b zeros, at `PATH.lora_a` and `PATH.lora_b`, stacked as "
-            "the weight; only the adapters train unless `:trainable` names more (default "
-            ":alpha 2·rank, :dropout 0)",
-    "loss": "the loss function of the batch (a float scalar)",
-    "data": "the training loader",
-    "optimizer": "an optimizer, such as (adamw :lr 1e-3)",
-    "steps": "training steps (required here or by --steps)",
-    "microbatches": "microbatches summed into one optimizer step (default 1)",
-    "seed": "the run's seed, 0 or more (default 0)",
-    "precision": "f32 (default) or bf16",
-    "checkpoint-every": "steps between checkpoints; 0 only at the end (default 0)",
-    "keep": "checkpoints kept (default 3)",
-    "on-nan": "stop (default: E-NUM-001) or skip a step whose loss is not finite",
-    "sharding": "replicate (default: a full copy a device), fsdp (parameters, gradients and "
-                "optimizer state split over every device of every node; each process writes "
-                "its own shards of a checkpoint), hsdp (split within a node, copied across), "
-                "a mesh, \"fsdp:2,tensor:2\" (axes data, fsdp, tensor, expert: tensor "
-                "parallel from the ops' split rules, sequence parallel between the pairs under "
-                "tensor alone, expert parallel for MoE weights), or auto (the plan chooses the "
-                "mesh and says why)",
-    "init-from": "a warm start: parameters by path from a checkpoint folder (or s3://), a "
-                 ".safetensors file or hf:DIR; optimizer, step and loaders fresh (also "
-                 "--init-from, SEXPGPU_INIT_FROM; --resume wins)",
-    "init-partial": "true: parameters that :init-from lacks are initialized as declared "
-                    "(default false: E-INIT-001)",
-    "parametrization": "standard (default: the model as written) or mup: μP's init scales, "
-                       "learning-rate factors (Adam's or SGD's) and 1/m on the readout's "
-                       "logits, from each parameter's role and m = width / :base-width "
-                       "(`check --print params` shows them; a name or a knob, not a --set knob)",
-    "base-width": "under :parametrization mup, the width (the readout's fan-in) at which μP is "
-                  "the model as written: where the learning rate was tuned",
-}
 
 LOADER_KEYWORDS = {
     "vocab": "token vocabulary size", "seq": "tokens per record", "batch": "records per microbatch",
@@ -210,6 +95,11 @@ FUNCTIONS = {
     "uniform": ("(uniform LIMIT)", "initializer"),
     "constant": ("(constant V)", "initializer or learning rate"),
     "fan-in": ("(fan-in SCALE)", "initializer: normal, std SCALE/sqrt(fan-in)"),
+    "reference": ("(reference X)", "X as the model the run started from computes it (DPO's "
+                  "reference): each parameter X reads replaced by a frozen copy of its starting "
+                  "value, `reference/PATH` (no gradient, no optimizer state, not in "
+                  "checkpoints: a resume reads `:init-from` again, E-REF-001 when it changed), "
+                  "without dropout"),
 }
 # optimizers and schedules: read from their one declaration (front/optimizers.py)
 FUNCTIONS.update({n: (f"({n} :lr LR ...)", "optimizer: " + o.doc)
@@ -349,23 +239,54 @@ def _check_meanings() -> None:
   from sexpgpu.front.experiment import LOADER_KINDS
   from sexpgpu.front.prims import BUILTINS
   from sexpgpu.ir.ops import OPS
-  from sexpgpu.lang.program import TOP_FORMS as CODE_TOP_FORMS
-  from sexpgpu.lang.select import RUN_KNOBS
-  from sexpgpu.front.build import SPECIAL_FORMS as CODE_SPECIAL
   loader_kws = {k for cls in KINDS.values() for k in list(cls.arg_table.required)
                 + list(cls.arg_table.optional)} | {k for ks in LOADER_KINDS.values() for k in ks}
   wanted = [
       ("function", set(BUILTINS) - set(OPS), FUNCTIONS), ("loader", set(KINDS), LOADERS),
       ("loader keyword", loader_kws, LOADER_KEYWORDS),
-      ("std function", {n for _, n, _, _ in _std_functions()}, STD),
-      ("top-level form", set(CODE_TOP_FORMS), TOP_FORMS),
-      ("special form", set(CODE_SPECIAL), SPECIAL_FORMS),
-      ("defrun keyword", {"loss", "data", "optimizer", "trainable", "lora", *mup.KEYS}
-       | set(RUN_KNOBS), DEFRUN)]
+      ("std function", {n for _, n, _, _ in _std_functions()}, STD)]
   missing = [f"{what} `{n}`" for what, names, table in wanted for n in sorted(names)
              if n not in table]
   if missing:
     raise KeyError("no meaning in sexpgpu/tools/langdoc.py for " + ", ".join(missing))
+
+
+def forms_section() -> list[str]:
+  """The reference's lines on forms, from their declarations (lang/forms.py): the top-level
+  forms, the special forms, each form's keywords, and a section for a form whose keywords
+  each have a doc line (defrun).
+
+  Raises:
+    KeyError: a form or a documented keyword has no doc line, or a defrun key read
+      elsewhere (lang/select.py's RUN_KNOBS, ir/mup.py's KEYS) has no declaration.
+  """
+  from sexpgpu.lang.select import RUN_KNOBS
+  forms = (*FORMS.values(), *SPECIALS.values(), *CLAUSES.values())
+  undeclared = [f"defrun keyword `{k}`" for k in (*RUN_KNOBS, *mup.KEYS)
+                if k not in FORMS["defrun"].keys]
+  undeclared += [f"form `{f.name}`" for f in forms if not (f.doc and f.written)]
+  undeclared += [f"{f.name} keyword `{k}`" for f in forms if f.keys_doc
+                 for k, key in f.keywords if not key.doc]
+  if undeclared:
+    raise KeyError("no declaration with a doc line in sexpgpu/lang/forms.py for "
+                   + ", ".join(undeclared))
+  out = ["## Top-level forms", ""]
+  out += _table(("form", "written", "meaning"),
+                [(f"`{f.name}`", f"`{f.written}`", f.doc) for f in FORMS.values()])
+  out += ["", "## Special forms", ""]
+  out += _table(("form", "written", "meaning"),
+                [(f"`{f.name}`", f"`{f.written}`", f.doc) for f in SPECIALS.values()])
+  out += ["", "Keywords of forms:", ""]
+  # a form's keywords here, a clause's after its form's, a form with a keys_doc in its section
+  listed = [*SPECIALS.values()] + [c for f in FORMS.values() if not f.keys_doc
+                                   for c in (f, *(CLAUSES[k] for k in f.clauses))]
+  out += _table(("form", "keywords"), [(f"`{f.name}`", " ".join(f"`:{k}`" for k in f.keys))
+                                       for f in listed if f.keywords])
+  for f in FORMS.values():
+    if f.keys_doc:
+      out += ["", f"## {f.name}", "", f.keys_doc, ""]
+      out += _table(("keyword", "meaning"), [(f"`:{k}`", key.doc) for k, key in f.keywords])
+  return out
 
 
 def _table(header: tuple[str, ...], rows) -> list[str]:
@@ -429,9 +350,6 @@ def generate() -> str:
   from sexpgpu.data import KINDS
   from sexpgpu.front.experiment import LOADER_KINDS
   from sexpgpu.front.prims import BUILTINS, OPTIMIZERS, SCHEDULES
-  from sexpgpu.lang.program import TOP_FORMS as CODE_TOP_FORMS
-  from sexpgpu.lang.select import RUN_KNOBS
-  from sexpgpu.front.build import SPECIAL_FORMS as CODE_SPECIAL
   _check_meanings()
   out = ["# The .sx language: reference", "",
          "Generated by `python -m sexpgpu.tools.langdoc` from the code's tables; "
@@ -441,20 +359,7 @@ def generate() -> str:
          "`:keyword`, `symbol` (letters, digits, `-_+*/<>=!?.%`), integers (64-bit, `1_000`), "
          "finite floats (`3.5e-4`), `true false nil`. Files are UTF-8 (a leading byte-order "
          "mark is skipped); forms nest at most 1000 deep. Maps `{...}` do not exist: "
-         "keyword arguments are written `:key value`.", "",
-         "## Top-level forms", ""]
-  out += _table(("form", "written", "meaning"),
-                [(f"`{n}`", f"`{TOP_FORMS[n][0]}`", TOP_FORMS[n][1]) for n in CODE_TOP_FORMS])
-  out += ["", "## Special forms", ""]
-  out += _table(("form", "written", "meaning"),
-                [(f"`{n}`", f"`{SPECIAL_FORMS[n][0]}`", SPECIAL_FORMS[n][1]) for n in CODE_SPECIAL])
-  out += ["", "Keywords of forms:", ""]
-  out += _table(("form", "keywords"), [(f"`{n}`", " ".join(f"`:{k}`" for k in ks))
-                                       for n, ks in FORM_KEYWORDS.items()])
-  out += ["", "## defrun", "", "`:loss`, `:data` and `:optimizer`, and the run's own knobs "
-          "(each also a `--set` knob; `:steps` may name a defknob):", ""]
-  keys = ("loss", "data", "optimizer") + tuple(RUN_KNOBS) + mup.KEYS + ("trainable", "lora")
-  out += _table(("keyword", "meaning"), [(f"`:{k}`", DEFRUN[k]) for k in keys])
+         "keyword arguments are written `:key value`.", ""] + forms_section()
   out += ["", "## Loaders", "", "`(defloader NAME (KIND [\"path\"] :key value ...))`; the "
           "file kinds take the path first, relative to the experiment file or an s3:// URI. "
           "`sexpgpu check FILE --print batch [--loader NAME]` prints a loader's first "
