@@ -76,6 +76,7 @@ def tuned(tmp_path_factory):
           "losses": _steps(tmp / "a.jsonl")}
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_the_adapted_model_starts_as_the_imported_base_computes(tuned):
   from sexpgpu.models import forward
   from sexpgpu.run.compile import compile_file
@@ -94,6 +95,7 @@ def test_the_adapted_model_starts_as_the_imported_base_computes(tuned):
   assert np.abs(moved - want).max() > 1e-3  # the sample path reads the adapters too
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_only_the_adapters_hold_optimizer_state(tuned):
   adam = tuned["end"]["opt"][-1][0]
   assert set(adam.mu) == ADAPTERS and set(adam.nu) == ADAPTERS
@@ -103,6 +105,7 @@ def test_only_the_adapters_hold_optimizer_state(tuned):
   assert sum(x.size for x in jax.tree_util.tree_leaves(tuned["end"]["opt"]) if x.ndim) == want
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_the_loss_falls_and_the_base_stays_bitwise(tuned):
   losses = tuned["losses"]
   assert len(losses) == 16 and np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.05, losses
@@ -114,6 +117,7 @@ def test_the_loss_falls_and_the_base_stays_bitwise(tuned):
     assert np.asarray(end[path]).tobytes() == np.asarray(v).tobytes(), path
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_a_resume_in_the_middle_is_bitwise(tuned):
   la, ta = jax.tree.flatten(tuned["end"])
   lb, tb = jax.tree.flatten(tuned["resumed"])
@@ -121,6 +125,7 @@ def test_a_resume_in_the_middle_is_bitwise(tuned):
   assert all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_the_merged_export_computes_as_the_adapted_model(tuned, tmp_path, capsys):
   from sexpgpu.cli.main import main
   from sexpgpu.models import forward, source
@@ -144,6 +149,40 @@ def test_the_merged_export_computes_as_the_adapted_model(tuned, tmp_path, capsys
   q = BLOCK + "q_proj/w"
   assert np.abs(folded[q] - end[q]).max() > 1e-4  # the adapters were folded in
   np.testing.assert_array_equal(folded[BLOCK + "k_proj/w"], end[BLOCK + "k_proj/w"])
+
+
+def test_the_peft_export_loads_with_peft_onto_the_base_and_computes_the_same(tuned, tmp_path,
+                                                                              capsys):
+  """`export --format peft` onto the base's `--format hf` folder: PeftModel.from_pretrained
+  on transformers' Llama gives the adapted model's logits to 1e-4."""
+  import torch
+  from peft import PeftModel
+  from transformers import AutoModelForCausalLM
+  from sexpgpu.cli.main import main
+  from sexpgpu.models import forward
+  from sexpgpu.run.compile import compile_file
+  out = str(tmp_path / "peft")
+  assert main(["export", tuned["path"], "--resume", tuned["checkpoint"], "-o", out,
+               "--format", "peft", "--merge-lora"]) == 1
+  assert "drop --merge-lora" in capsys.readouterr().err and not os.path.exists(out)
+  assert main(["export", tuned["path"], "--resume", tuned["checkpoint"], "-o", out,
+               "--format", "peft"]) == 0
+  config = json.load(open(os.path.join(out, "adapter_config.json")))
+  assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+  assert len(config["target_modules"]) == 2 * 2 + 1  # q and v in 2 layers, the head
+  base = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(tuned["path"]),
+                                                           "hf"), torch_dtype=torch.float32)
+  model = PeftModel.from_pretrained(base, out).eval()
+  tokens = np.arange(2 * 12, dtype=np.int32).reshape(2, 12) * 5 % 40
+  with torch.no_grad():
+    got = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  lora_c = compile_file(tuned["path"], sets=list(tuned["sets"].items()))
+  end = {k: np.asarray(v) for k, v in tuned["end"]["params"].items()}
+  want = forward.forward(lora_c, "lm", 12, 2)(forward.device_params(lora_c, end), tokens)
+  np.testing.assert_allclose(got, np.asarray(want), rtol=0, atol=1e-4)
+  with model.disable_adapter(), torch.no_grad():  # without them: the base, which differs
+    bare = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  assert np.abs(bare - np.asarray(want)).max() > 1e-3
 
 
 def test_trainable_adds_to_the_adapters_and_the_ir_has_them(tmp_path):

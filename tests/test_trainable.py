@@ -78,6 +78,7 @@ def test_optimizer_state_holds_only_the_trained_parameters(files):
       2 * sum(v.size for v in whole.params.values())
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_frozen_parameters_are_bitwise_unchanged_and_trained_ones_move(files, runs):
   head = files[0]
   start = sexpgpu.compile(head).init().params
@@ -120,6 +121,23 @@ def test_check_print_params_marks_each_parameter(files):
   assert sum(m == "frozen" for m in marks.values()) == len(marks) - 2
   assert "train: 2 of 12 parameters trained (1,312 of" in text
   assert "train" not in check(files[1], what="params").splitlines()[0].split()
+  decay = {ln.split()[0]: ln.split()[-2] for ln in lines[1:] if ln.startswith("lm/")}
+  assert decay["lm/llama/lm_head/w"] == "yes" and decay["lm/llama/norm/scale"] == "no"
+  assert {decay[p] for p in decay if p not in TRAINED} == {"-"}  # no decay of a frozen one
+  assert "reaches 1 of 12 parameters" in text
+
+
+def test_the_plan_counts_gradients_of_the_trained_parameters_only(files):
+  from sexpgpu.devices.memory import human
+  from sexpgpu.run.check import check
+
+  def parts(path):
+    text = check(path, what="plan")
+    return {k: re.search(rf"{k}\s+(\S+ \S+)", text).group(1)
+            for k in ("parameters", "gradients and accumulators")}
+  head, full = parts(files[0]), parts(files[1])
+  assert head["gradients and accumulators"] == human(1312 * 4)  # the head's and the norm's
+  assert full["gradients and accumulators"] == full["parameters"] == head["parameters"]
 
 
 @pytest.mark.parametrize("extra,message,fix", [
@@ -141,6 +159,7 @@ def test_a_bad_trainable_is_e_run_002_at_the_keyword(tmp_path, extra, message, f
   assert line[loc.col - 1:].startswith(extra.split(" ", 2)[2][:1])
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_a_stacked_step_trains_the_same_parameters(files, monkeypatch, tmp_path):
   """Two microbatches one at a time (a gradient call each, then the update) against both in
   one call: the same losses, the frozen parameters still bitwise the initial ones."""

@@ -61,7 +61,7 @@ def _one(rest: list[str], command: str, usage: str) -> str:
 # --- export --------------------------------------------------------------------------------
 
 def cmd_export(argv: list[str]) -> int:
-  """`sexpgpu export FILE.sx --resume DIR -o OUT [--format safetensors|hf]`."""
+  """`sexpgpu export FILE.sx --resume DIR -o OUT [--format safetensors|hf|peft]`."""
   from sexpgpu.models import export, sample
   fv = flags.FlagValues()
   _checkpoint_flags(fv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sexpgpu.errors import SxError, did_you_mean
+from sexpgpu.front import reference  # noqa: F401  (registers the `reference` builtin)
 from sexpgpu.front.build import Builder, describe
 from sexpgpu.front.values import Env, Spec
 from sexpgpu.ir import lora as adapters

@@ -19,6 +19,7 @@ from typing import Any
 
 from sexpgpu.errors import Loc, SxError
 from sexpgpu.ir.graph import Body, Fn, Graph, Init, Node, Param
+from sexpgpu.ir.reference import is_reference
 from sexpgpu.ir.rewrite import Frame, Rewriter, use_counts
 from sexpgpu.ir.roles import all_nodes
 
@@ -118,8 +119,9 @@ def base_of(path: str) -> str | None:
 
 
 def base_params(params: dict[str, Any]) -> dict[str, Any]:
-  """`params` without LoRA's adapters (what a Hugging Face twin of the base model holds)."""
-  return {k: v for k, v in params.items() if base_of(k) not in params}
+  """`params` without LoRA's adapters and the reference's frozen copies (ir/reference.py):
+  what a Hugging Face twin of the base model holds."""
+  return {k: v for k, v in params.items() if base_of(k) not in params and not is_reference(k)}
 
 
 def _weights(graph: Graph) -> tuple[set[str], set[str]]:
@@ -127,7 +129,7 @@ def _weights(graph: Graph) -> tuple[set[str], set[str]]:
   weights, other = set(), set()
   for node in all_nodes(graph):
     for i, x in enumerate(node.inputs):
-      if isinstance(x, Node) and x.op == "param":
+      if isinstance(x, Node) and x.op == "param" and not is_reference(x.attr("path")):
         path = x.attr("path")
         if node.op == "matmul" and i == 1 and len(x.shape) == 2:
           weights.add(path)
@@ -232,16 +234,20 @@ class _LoraRewriter(Rewriter):
 def trained(params: dict[str, Param], patterns: tuple[str, ...] | None, where: Loc | None
             ) -> frozenset[str] | None:
   """The parameters a step trains: those `:trainable`'s patterns match, and every LoRA
-  adapter; None when every parameter trains (no `:trainable`, no adapters).
+  adapter; None when every parameter trains (no `:trainable`, no adapters, no reference).
+  The reference's copies (ir/reference.py) are never trained, whatever the patterns say.
 
   Raises:
     SxError: E-RUN-002 at `:trainable` for a pattern that matches no parameter (the nearest
       paths named).
   """
   adapters = {p for p in params if base_of(p) is not None and base_of(p) in params}
+  model = [p for p in params if not is_reference(p)]
   if patterns is None:
-    return frozenset(adapters) if adapters else None
-  paths = sorted(params)
+    if adapters:
+      return frozenset(adapters)
+    return None if len(model) == len(params) else frozenset(model)
+  paths = sorted(model)
   chosen = set(adapters)
   for pat in patterns:
     found = {p for p in paths if fnmatch.fnmatchcase(p, pat)}

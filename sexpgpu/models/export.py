@@ -12,7 +12,7 @@ from sexpgpu.errors import SxError
 from sexpgpu.models import source, twin
 from sexpgpu.record import jsonable, versions
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "peft")
 
 
 def _metadata(c, meta: dict) -> dict[str, str]:
@@ -66,6 +66,31 @@ def merged(c, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   return out
 
 
+def mup_folded(c, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The parameters with a μP run's output multiplier (1/m on the readout's product, which a
+  Hugging Face twin has no place for) folded into the readout's weight: the twin then computes
+  the logits the run does. The parameters themselves for a standard run.
+
+  Raises:
+    SxError: E-EXPORT-001 for a readout tied to the embedding (folding 1/m into it would
+      scale the embedding too).
+  """
+  from sexpgpu.ir import mup
+  folds = mup.output_multipliers(c.stages[0].graph, c.exp.optimizer)
+  tied = sorted(path for path, (_, is_tied) in folds.items() if is_tied)
+  if tied:
+    raise SxError("E-EXPORT-001", f"--format hf: the run is μP and its readout {tied[0]} is "
+                  "tied to the embedding, so the logits' output multiplier "
+                  f"{folds[tied[0]][0]:g} (1/m) has no place in the twin", where="--format hf",
+                  fix="export --format safetensors (sexpgpu's sample and eval apply the 1/m), "
+                  "or train the μP run with an untied head")
+  out = dict(params)
+  for path, (factor, _) in folds.items():
+    w = np.asarray(params[path])
+    out[path] = (w.astype(np.float32) * np.float32(factor)).astype(w.dtype)
+  return out
+
+
 def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
            tokenizer: str | None = None, merge_lora: bool = False) -> list[str]:
   """Writes the parameters of experiment `c` as `fmt`.
@@ -82,10 +107,16 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
 
   Raises:
     SxError: E-EXPORT-001 when `fmt` is hf and the model is not a gpt2, llama, mixtral or
-      mamba, or has LoRA adapters and `merge_lora` is off (a twin has no place for them).
+      mamba, or has LoRA adapters and `merge_lora` is off (a twin has no place for them), or
+      is a μP run whose readout is tied (`mup_folded`; an untied one's 1/m is folded in).
   """
   if tokenizer and not os.path.isfile(tokenizer):
     raise SxError("E-TOK-002", f"no tokenizer file {tokenizer}", where="--tokenizer")
+  if merge_lora and fmt == "peft":
+    raise SxError("E-EXPORT-001", "--format peft writes the LoRA adapters themselves, which "
+                  "--merge-lora folds away", where="--merge-lora",
+                  fix="drop --merge-lora to write the adapters for peft, or export --format hf "
+                  "--merge-lora for the merged model")
   if merge_lora:
     params = merged(c, params)
   elif fmt == "hf" and c.exp.run.get("lora") is not None:
@@ -94,12 +125,15 @@ def export(c, params: dict[str, np.ndarray], meta: dict, out: str, fmt: str,
                   fix="add --merge-lora to fold each adapter into its base weight, or export "
                   "--format safetensors, which keeps the adapters under their .sx paths")
   try:
+    if fmt == "peft":  # the adapters for peft, onto the base's --format hf (export_peft.py)
+      from sexpgpu.models.export_peft import export_peft
+      return export_peft(c, params, out)
     if fmt == "safetensors":
       os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
       _save(params, out, _metadata(c, meta))
       return [out]
     g = twin.find(c.params, c.stages[0].graph, "--format hf")
-    tensors = twin.to_twin(g, params)
+    tensors = twin.to_twin(g, mup_folded(c, params))
     os.makedirs(out, exist_ok=True)
     config = dict(g.config)
     if tokenizer:  # the ids of the tokenizer's own begin/end tokens, never a guess

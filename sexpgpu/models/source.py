@@ -107,8 +107,9 @@ def read_twin_folder(folder: str, where: str, *,
     hub = "/" in folder and not folder.startswith((".", "/")) and not os.path.exists(folder)
     raise SxError("E-INIT-001", f"{folder} is not a folder" + (
                   " (a hub name? nothing is downloaded)" if hub else ""), where=where,
-                  fix="save the model with save_pretrained(DIR) where the network is, and "
-                  "give DIR")
+                  fix=f"make it from a run of sexpgpu with `sexpgpu export RUN.sx --resume "
+                  f"CHECKPOINT --format hf -o {folder}`, or save a model there with "
+                  "save_pretrained where the network is")
   cfg_path = os.path.join(folder, "config.json")
   weights = os.path.join(folder, "model.safetensors")
   index = weights + ".index.json"

@@ -16,6 +16,8 @@ import numpy as np
 
 from sexpgpu.errors import SxError
 from sexpgpu.ir.ops import DTYPES, dtype_name
+from sexpgpu.ir.lora import base_of
+from sexpgpu.ir.reference import is_reference, references
 from sexpgpu.models import source
 
 FIX = ("start from a checkpoint of this model, or set :init-partial true to initialize the "
@@ -76,13 +78,14 @@ def _type(dtype, shape) -> str:
 
 
 def check(c, loaded: dict[str, np.ndarray], what: str, partial: bool) -> list[str]:
-  """The parameters to initialize as declared (the missing ones, with `partial`).
+  """The parameters to initialize as declared (the missing ones, with `partial`; LoRA's
+  adapters missing from the source always).
 
   Raises:
     SxError: E-INIT-001 listing every missing (unless `partial`), extra or mismatched
       parameter, both sides; then each one that holds NaN or infinity.
   """
-  missing = sorted(p for p in c.params if p not in loaded)
+  missing = sorted(p for p in c.params if p not in loaded and not is_reference(p))
   extra = sorted(p for p in loaded if p not in c.params)
   wrong = []
   for path, p in sorted(c.params.items()):
@@ -92,8 +95,10 @@ def check(c, loaded: dict[str, np.ndarray], what: str, partial: bool) -> list[st
       if tuple(v.shape) != tuple(p.full_shape) or np.dtype(v.dtype) != want:
         wrong.append(f"{path}: {_type(v.dtype, v.shape)} there, "
                      f"{_type(want, p.full_shape)} here")
+  # LoRA's adapters are new beside a warm-started base: initialized as declared (B at zero)
+  adapters = {p for p in missing if base_of(p) in c.params}
   lines = [f"{p}: {_type(DTYPES[c.params[p].dtype], c.params[p].full_shape)} here, missing "
-           "there" for p in ([] if partial else missing)]
+           "there" for p in ([] if partial else missing) if p not in adapters]
   lines += [f"{p}: {_type(loaded[p].dtype, loaded[p].shape)} there, no such parameter here"
             for p in extra]
   lines += wrong
@@ -129,6 +134,8 @@ def start_state(c, training, stage: int, log: Callable[[str], None] = lambda s: 
             if k in loaded}
   if missing:
     params.update(init_params(training.seed, {k: c.params[k] for k in missing}))
+  # the reference model's copies (ir/reference.py): the starting values, in buffers of their own
+  params.update({r: jnp.array(params[b], copy=True) for r, b in references(c.params).items()})
   log(f"init-from: {len(loaded)} parameters from {what}"
       + (f"; initialized as declared: {', '.join(missing)}" if missing else ""))
   opt, _ = training.optimizer(stage)

@@ -220,9 +220,11 @@ def params_text(c) -> str:
   role read from the loss graph (`ir.roles`): the stacked axes (repeat's layers, experts)
   apart from its own, fan-in → fan-out, whether the optimizer's weight decay reaches it and
   which optimizer updates it (an `opt` column where the optimizer splits them: Muon's), and
-  a `train` column (trained or frozen) under `:trainable` or `:lora`; under μP each
+  a `train` column (trained, frozen, or a `(reference X)`'s copy) under `:trainable`, `:lora`
+  or a reference, the decay `-` for one not trained; under μP each
   parameter's init-std, learning-rate and output multipliers (ir/mup.py).
   """
+  from sexpgpu.ir.reference import is_reference
   from sexpgpu.ir.roles import roles
   from sexpgpu.lower.optim import decay_mask, mup_cells, optimizer_of
   from sexpgpu.run.training import trainable
@@ -239,8 +241,11 @@ def params_text(c) -> str:
     fans = f"{r.fan_in}→{r.fan_out}" if r.fan_in or r.fan_out else "-"
     rows.append((p.path, f"{p.dtype}[{','.join(map(str, p.full_shape))}]", str(p.init),
                  p.count, r.text(), r.stacked_text(p), fans,
-                 "yes" if mask.get(p.path) else "no") + (opts[p.path],) * split
-                + ("trained" if p.path in (train or ()) else "frozen",) * (train is not None)
+                 # a frozen parameter is not the optimizer's: its decay does not apply
+                 "-" if train is not None and p.path not in train
+                 else "yes" if mask.get(p.path) else "no") + (opts[p.path],) * split
+                + ("trained" if p.path in (train or ()) else "reference" if is_reference(p.path)
+                   else "frozen",) * (train is not None)
                 + (mu[0][p.path] if mu else ()))
   total = sum(r[3] for r in rows)
   head = ("path", "shape", "init", "count", "role", "stacked", "fan-in→out",
@@ -262,8 +267,11 @@ def params_text(c) -> str:
              f"column says which {n} a weight decay would reach)")
   if train is not None:
     t = [r for r in rows if "trained" in r[8:]]
+    refs = sum(1 for r in rows if "reference" in r[8:])
     out.append(f"train: {len(t)} of {len(rows)} parameters trained ({sum(r[3] for r in t):,} "
-               f"of {total:,} values), the rest frozen: constants of the step")
+               f"of {total:,} values), the rest frozen: constants of the step"
+               + (f" ({refs} of them the reference's copies of the starting values, not "
+                  "saved in checkpoints)" if refs else ""))
   if split:
     m = sum(1 for r in rows if r[8] == "muon")
     out.append(f"opt: muon orthogonalises {m} of {len(rows)} parameters (each stacked "

@@ -410,6 +410,17 @@ def sharding_hint(training, plan: mem.Plan, state) -> list[str]:
   return [f"--set sharding=fsdp (about {mem.human(need)} a device over {training.ranks})"]
 
 
+def state_parts(training, mine: dict, accumulators: int) -> dict[str, int]:
+  """The parts of one device's state (devices/memory.py), f32 gradients and their sums of
+  the trained parameters only: a frozen one (`:trainable`, LoRA's base, the reference's
+  copies) has no gradient, as it has no optimizer state."""
+  parts = mem.state_parts(mine, accumulators)
+  trained = {"params": training.trained(mine["params"])}
+  parts["gradients and accumulators"] = mem.state_parts(
+      trained, accumulators)["gradients and accumulators"]
+  return parts
+
+
 def choose(training, stage: int, fixed: int | None, state, batches, device,
            checkpointing: bool, cache_dir: str, several_nodes: bool = False,
            buffered_batches: int = 3) -> Choice:
@@ -439,7 +450,7 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
       training.abstract_batches(p.data, ()))
       for n, s, p in ((n, s, training.c.exp.passes[n]) for n, s in training.pass_steps.items())}
   mine = training.share(state)  # what one device holds of the state (all of it, replicated)
-  parts_1 = mem.state_parts(mine, accumulators=1)
+  parts_1 = state_parts(training, mine, accumulators=1)
   state_total = mem.tree_bytes(mine)
   outside = mem.outside_bytes(mem.tree_bytes(batches), state_total,
                               buffered_batches=buffered_batches, checkpoint_copy=checkpointing)
@@ -454,7 +465,7 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
     if "gradient call" in ex:  # the optimizer state and the running gradient sum stay alive
       resident["gradient call"] = parts_1["optimizer states"] + parts_1[
           "gradients and accumulators"]
-    parts = mem.state_parts(mine, accumulators=1 if "train step" in ex else 2)
+    parts = state_parts(training, mine, accumulators=1 if "train step" in ex else 2)
     plans[d] = mem.plan({**ex, **pass_execs}, parts, outside, free, reserve, resident,
                         over=over)
     execs[d] = ex

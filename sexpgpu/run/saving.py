@@ -53,10 +53,14 @@ def resume(c, training, resume_dir: str, progress, metrics):
   Returns:
     (the state, the step it is at).
   """
+  from sexpgpu.run import reference
   stage = progress.stage  # the checkpoint's (resumed_plan)
-  abstract_state = training.abstract_state(stage)
+  # the reference model's copies are not in the checkpoint: read again, checked (E-REF-001)
+  refs = reference.resumed(c, training, resume_dir)
+  abstract_state = reference.without(training.abstract_state(stage))
   state, meta_, secs = restore(resume_dir, abstract_state, training.place,
-                               lambda s: training.place_state(s, stage),
+                               lambda s: training.place_state(reference.with_values(s, refs),
+                                                              stage),
                                training.place_abstract(abstract_state, stage),
                                training.sharding != "replicate")
   start = int(meta_["step"])
@@ -89,6 +93,7 @@ class Saver:
     self.store, self.c, self.training = store, c, training
     self.progress, self.metrics, self.rdv = progress, metrics, rdv
     self.every = int(c.exp.run["checkpoint-every"])
+    self.reference_digest: str | None = None  # of the reference's copies, once computed
 
   def __enter__(self) -> "Saver":
     return self
@@ -132,6 +137,12 @@ class Saver:
       return
     self.progress.set_status("checkpointing", step)
     meta_ = self.meta(step, stacking, loader_states)
+    from sexpgpu.run import reference  # its copies are read again at a resume, not saved
+    if self.reference_digest is None:
+      self.reference_digest = reference.state_digest(state, self.training.place) or ""
+    if self.reference_digest:
+      meta_[reference.META_KEY] = self.reference_digest
+    state = reference.without(state)
     place = self.training.place
     if place.multiprocess:
       if self.training.sharding == "replicate":
