@@ -75,17 +75,40 @@ def graph(c, fn: str):
   return Graph(g.name, g.inputs, outs, g.params, g.taps)
 
 
+class Program:
+  """`(F)` compiled once: called with the graph's parameters (device or host arrays, by the
+  checkpoint's paths) and a seed, it returns F's outputs as numpy arrays.
+
+  Raises:
+    SxError: as `graph` does, when made.
+  """
+
+  def __init__(self, c, fn: str):
+    from sexpgpu.ir.ops import LowerCtx
+    from sexpgpu.lower.interp import run_graph
+    self.fn = fn
+    self.graph = g = graph(c, fn)
+    ctx = LowerCtx(str(c.exp.run["precision"]), None, False)
+    self._f = jax.jit(lambda prm, key: run_graph(g, prm, {}, dataclasses.replace(ctx, rng=key)))
+    self._compiled = None  # at the first call, so a caller can time the calls apart
+
+  def compile(self, params: dict) -> None:
+    """Compiles F for parameters shaped as `params` (once; later calls do nothing)."""
+    if self._compiled is None:
+      self._compiled = self._f.lower({k: params[k] for k in self.graph.params},
+                                     jax.random.key(0)).compile()
+
+  def __call__(self, params: dict, seed: int) -> dict[str, np.ndarray]:
+    """F's outputs with `params` (device arrays as the graph reads them), draws from key(seed)."""
+    self.compile(params)
+    out = self._compiled({k: params[k] for k in self.graph.params}, jax.random.key(seed))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
 def run(c, fn: str, params: dict, seed: int) -> dict[str, np.ndarray]:
   """The outputs of `(F)` with the checkpoint's parameters, its draws from key(seed)."""
-  from sexpgpu.ir.ops import LowerCtx
-  from sexpgpu.lower.interp import run_graph
   from sexpgpu.models import forward
-  g = graph(c, fn)
-  ctx = LowerCtx(str(c.exp.run["precision"]), None, False)
-  p = forward.device_params(c, params)
-  f = jax.jit(lambda prm, key: run_graph(g, prm, {}, dataclasses.replace(ctx, rng=key)))
-  out = f({k: p[k] for k in g.params}, jax.random.key(seed))
-  return {k: np.asarray(v) for k, v in out.items()}
+  return Program(c, fn)(forward.device_params(c, params), seed)
 
 
 def is_images(a: np.ndarray) -> bool:

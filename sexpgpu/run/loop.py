@@ -21,12 +21,14 @@ from sexpgpu.env import parse_nodes
 from sexpgpu.errors import SxError
 from sexpgpu.models.warm import start_state
 from sexpgpu.run import output, plan, reports, saving, setup, signals
-from sexpgpu.run.compile import Compiled, cache_dir
+from sexpgpu.run.compile import (Compiled, cache_dir, release_after_compiles,
+                                 release_freed_memory)
 from sexpgpu.run.devices import CompileCounter
 from sexpgpu.run.feed import Feed
 from sexpgpu.run.passes import Passes
 from sexpgpu.run.progress import CompileLine, Progress, Summary
 from sexpgpu.run.evaluating import Evaluators
+from sexpgpu.run.generating import Generators
 from sexpgpu.run.sampling import Samplers
 from sexpgpu.run.saving import Saver
 # The name tests and benchmarks import from here: whether a CPU run keeps host memory.
@@ -65,6 +67,7 @@ def run_compiled(compiled: Compiled, opts: RunOptions) -> Summary:
   nodes_cfg = parse_nodes(os.environ, opts.device)
   node = nodes_cfg.rank if nodes_cfg else 0
   counter = CompileCounter.install(cache_dir())
+  release_after_compiles()
   progress = Progress.begin(compiled.slug, int(compiled.exp.run["steps"]),
                             StatusFile(opts.status if node == 0 else None),  # node 0 writes it
                             compiled.passes)
@@ -93,7 +96,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   training = setup.build_training(c, place, nodes_cfg, rdv, resume_dir, progress)
   saver = Saver(store, c, training, progress, metrics, rdv)
   with saver, signals.deferred() as sig, setup.retries_noted(metrics):
-    samplers, evaluators = Samplers(c), Evaluators(c)  # their errors before any initializer
+    samplers, evaluators, generators = Samplers(c), Evaluators(c), Generators(c)  # errors first
     # --- plan: every step compiled for abstract values; nothing initialized before it fits
     choice = _plan(c, o, training, resume_dir, store is not None, progress, metrics, log)
 
@@ -104,7 +107,7 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
       state, start = start_state(c, training, progress.stage, log), 0
     feed = Feed(c, place, training.k, progress.steps, ahead=o.pipeline)
     passes = Passes(c, training, samplers, evaluators, metrics, progress, log,
-                    resumed_at=start if resume_dir is not None else None)
+                    resumed_at=start if resume_dir is not None else None, generators=generators)
     profile = setup.open_profile(c, o)
     runner = Steps(c, training, progress, metrics, feed, profile, rdv, sig, log)
     stop = Stop(sig, place.multiprocess)
@@ -164,9 +167,11 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
 
 def _freeze_the_compiler() -> None:
   """The compiler's objects live as long as the run: they are kept out of the collector's
-  scans, so a collection in the step loop walks only what the loop itself allocates."""
+  scans, so a collection in the step loop walks only what the loop itself allocates; the
+  memory the compiles freed goes back to the OS."""
   gc.collect()
   gc.freeze()
+  release_freed_memory()
 
 
 def _plan(c, o: RunOptions, training, resume_dir: str | None, saves: bool, progress: Progress,

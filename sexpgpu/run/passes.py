@@ -38,12 +38,13 @@ class Passes:
   """Runs the passes due at a step, and moves the curriculum on when its condition holds."""
 
   def __init__(self, c, training, samplers, evaluators, metrics, progress, log,
-               resumed_at: int | None):
+               resumed_at: int | None, generators=None):
     """Args: c: the Compiled experiment; training: its Training; samplers: its Samplers;
     evaluators: its Evaluators (defeval); metrics, progress, log: where the numbers go;
     resumed_at: the step a resume starts at (its passes ran before the checkpoint), else
-    None."""
+    None; generators: its Generators (defgenerate), or None."""
     self.c, self.training, self.samplers = c, training, samplers
+    self.generators = generators
     self.evaluators = evaluators
     self.metrics, self.progress, self.log = metrics, progress, log
     # a resume at a step whose passes a stop cut short runs them again, all of them, and
@@ -54,9 +55,10 @@ class Passes:
     progress.passes_unfinished = None
 
   def due(self, step: int, at_end: bool) -> bool:
-    """Whether any pass or sample runs after `step`."""
+    """Whether any pass, sample or generation runs after `step`."""
     return (at_end or any(due(p, step, self.c) for p in self.c.exp.passes.values())
-            or self.samplers.due(step, at_end) or self.evaluators.due(step, at_end))
+            or self.samplers.due(step, at_end) or self.evaluators.due(step, at_end)
+            or (self.generators is not None and self.generators.due(step, at_end)))
 
   def first(self, state, step: int, feed, stop) -> None:
     """The passes due as the loop starts (step 0's evaluation, or a resumed step's that a
@@ -86,6 +88,9 @@ class Passes:
                           self.progress, self.log)
       self.samplers.run(place, state["params"], step, self.progress.steps, at_end,
                         self.resumed_at, self.metrics, self.progress, self.log)
+      if self.generators is not None:
+        self.generators.run(place, state["params"], step, self.progress.steps, at_end,
+                            self.resumed_at, self.metrics, self.progress, self.log)
     return ran
 
   def _evaluate(self, state, step: int, at_end: bool) -> bool:

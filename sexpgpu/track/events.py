@@ -189,3 +189,30 @@ def texts(event: dict) -> list[tuple[str, str]]:
   """
   producer = _TEXTS.get(event["kind"])
   return list(producer(event)) if producer else []
+
+
+def images(event: dict) -> list[tuple[str, str]]:
+  """The (tag, PNG path) pictures an event shows in an image panel.
+
+  Args:
+    event: an event as emitted.
+
+  Returns:
+    A `generate` event's grids as `generate/<name>` (one image output) or
+    `generate/<name>/<output>` (several), each the path of its PNG; [] otherwise.
+  """
+  if event["kind"] != "generate":
+    return []
+  found = event.get("images") or {}
+  name = event.get("name", "generate")
+  return [(f"generate/{name}" if len(found) == 1 else f"generate/{name}/{key}", str(path))
+          for key, path in found.items()]
+
+
+def picture(path: str):
+  """A PNG's pixels as a uint8 array [h w c] (a grey picture with c 1)."""
+  import numpy as np
+  from PIL import Image
+  with Image.open(path) as im:
+    a = np.asarray(im.convert("L" if im.mode in ("L", "I", "1") else "RGB"))
+  return a[..., None] if a.ndim == 2 else a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Callable, Iterator
@@ -64,6 +65,18 @@ class Metrics:
       if isinstance(target, JsonlTarget):
         return scrub(target.location)
     return scrub(self._targets[0].location) if self._targets else None
+
+  def folder(self) -> str | None:
+    """A local folder beside the metrics stream for the files a run makes (a defgenerate's
+    samples): `PATH.files` beside the first jsonl target `PATH.jsonl`, else the first
+    TensorBoard target's log dir `DIR/<slug>`; None without either."""
+    for target in self._targets:
+      if isinstance(target, JsonlTarget):
+        return os.path.splitext(target.location)[0] + ".files"
+    for target in self._targets:
+      if isinstance(target, TensorBoardTarget):
+        return target.logdir
+    return None
 
   def emit(self, kind: str, **fields) -> dict:
     """Sends one event to every target, its strings scrubbed of credentials (paths.scrub:

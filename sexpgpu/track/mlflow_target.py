@@ -8,7 +8,7 @@ import os
 import re
 from typing import Any, Iterator
 
-from sexpgpu.track.events import scalars, texts
+from sexpgpu.track.events import images, picture, scalars, texts
 from sexpgpu.track.targets import TargetError, ensure_dir, quiet_warnings
 
 INSTALL_FIX = "pip install sexpgpu[mlflow]"
@@ -26,7 +26,8 @@ class MlflowTarget:
   """Logs a session as one MLflow run in the experiment named by the slug.
 
   Params are the config event's knobs; step, pass, diagnostic, stage and
-  checkpoint scalars are metrics at their step; text (annotations, stage
+  checkpoint scalars are metrics at their step; a defgenerate's grids are images at their
+  step; text (annotations, stage
   and checkpoint lines) goes to tags. The run ends at close: FINISHED, KILLED
   when the summary names `stopped_by`, FAILED when no summary came.
   """
@@ -39,7 +40,7 @@ class MlflowTarget:
     client_class = _import_client()
     with quiet_warnings(), _store_errors(uri):
       self._client = client_class(tracking_uri=_prepare(uri))
-      experiment = _experiment(self._client, slug)
+      experiment = _experiment(self._client, slug, _artifacts(uri))
       run = self._client.create_run(experiment, run_name=slug,
                                     tags={"sexpgpu.slug": slug})
     self.run_id = run.info.run_id
@@ -56,6 +57,8 @@ class MlflowTarget:
       else:
         self._log_texts(event)
       self._log_scalars(event)
+      for tag, path in images(event):  # a defgenerate's grid, an image at its step
+        self._client.log_image(self.run_id, picture(path), key=_key(tag), step=self._step)
 
   def close(self) -> None:
     """Ends the run with its status."""
@@ -131,13 +134,24 @@ def _prepare(uri: str) -> str:
   return uri
 
 
-def _experiment(client, slug: str) -> str:
-  """The id of the experiment named `slug`, created when missing."""
+def _artifacts(uri: str) -> str | None:
+  """Where a new experiment of a `sqlite:///PATH.db` store keeps its artifacts (a
+  defgenerate's images): `mlartifacts` beside the database, not MLflow's default `./mlruns`
+  in whatever folder the run started from; None for other stores (theirs decide)."""
+  if not uri.startswith("sqlite:///"):
+    return None
+  db = os.path.abspath(uri[len("sqlite:///"):])
+  return "file://" + os.path.join(os.path.dirname(db), "mlartifacts")
+
+
+def _experiment(client, slug: str, artifacts: str | None = None) -> str:
+  """The id of the experiment named `slug`, created when missing (its artifacts at
+  `artifacts`, else where the store puts them)."""
   found = client.get_experiment_by_name(slug)
   if found is not None:
     return found.experiment_id
   try:
-    return client.create_experiment(slug)
+    return client.create_experiment(slug, artifact_location=artifacts)
   except Exception:
     # Another session of the same slug may have created it meanwhile.
     found = client.get_experiment_by_name(slug)

@@ -6,7 +6,7 @@ import logging
 import os
 import warnings
 
-from sexpgpu.track.events import scalars, texts
+from sexpgpu.track.events import images, picture, scalars, texts
 from sexpgpu.track.targets import TargetError, ensure_dir, os_reason
 
 # Seconds between tensorboardX's background flushes; close flushes the rest.
@@ -14,7 +14,7 @@ _FLUSH_SECS = 5
 
 
 class TensorBoardTarget:
-  """Writes scalars and text through tensorboardX, one log dir per slug.
+  """Writes scalars, text and images through tensorboardX, one log dir per slug.
 
   Events without a step (config, annotations) are placed at the last step
   seen, 0 before the first.
@@ -34,7 +34,7 @@ class TensorBoardTarget:
     self._writer = _open_writer(self.logdir)
 
   def write(self, event: dict) -> None:
-    """Adds the event's scalars and text at its step."""
+    """Adds the event's scalars, text and images (a defgenerate's grids) at its step."""
     if isinstance(event.get("step"), int):
       self._step = event["step"]
     walltime = event.get("time")
@@ -44,6 +44,9 @@ class TensorBoardTarget:
         self._writer.add_scalar(tag, value, self._step, walltime=walltime)
       for tag, text in texts(event):
         self._writer.add_text(tag, text, self._step, walltime=walltime)
+      for tag, path in images(event):
+        self._writer.add_image(tag, picture(path), self._step, walltime=walltime,
+                               dataformats="HWC")
 
   def close(self) -> None:
     """Flushes and closes the event file."""

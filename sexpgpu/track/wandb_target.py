@@ -11,7 +11,7 @@ import sys
 from typing import Any, Iterator
 
 from sexpgpu.paths import scrub, scrubbed
-from sexpgpu.track.events import scalars, texts
+from sexpgpu.track.events import images, picture, scalars, texts
 from sexpgpu.track.targets import TargetError, quiet_warnings
 
 INSTALL_FIX = "pip install 'sexpgpu[wandb]'"
@@ -40,7 +40,7 @@ class WandbTarget:
   """Logs a session to the W&B run whose id is the slug's (or RUN's), in project PROJECT.
 
   Every event's scalars (step, pass, eval, diagnostic, stage, checkpoint) go to the run's
-  history at the event's step. Samples are rows (step, name, prompt, text) of the
+  history at the event's step, a defgenerate's grids as images there. Samples are rows (step, name, prompt, text) of the
   incremental table `samples`; annotations and the stage and checkpoint lines are rows
   (step, name, text) of the incremental table `annotations`. The config event's knobs are
   the run's config (each knob by name, with `sexpgpu.sources` saying where each value came
@@ -108,6 +108,8 @@ class WandbTarget:
       # its values; a checkpoint's numbers describe the save and go at the present step.
       if fresh or kind == "checkpoint":
         row.update(scalars(event))
+      for tag, path in images(event):  # a defgenerate's grid
+        row[tag] = self._wandb.Image(picture(path))
       if kind == "sample":
         row["samples"] = self._add("samples", SAMPLE_COLUMNS,
                                    [event.get("step"), event.get("name"),
