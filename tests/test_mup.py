@@ -118,6 +118,7 @@ def test_an_untied_fan_in_readout_is_made_constant():
   assert mup.rule(role, zeros, 4.0).init == 1.0
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_output_multiplier_numerics(lm, lm_standard):
   """The μP loss with a readout W is the standard loss with W / m: the `*` by 1/m is on
   the readout's product and nowhere else."""

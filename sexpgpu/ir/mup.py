@@ -33,8 +33,9 @@ AdamW part takes Adam's column.
 The model's width is the readout's fan-in (the contracted axes of the matmul that makes the
 logits), or without a readout the fan-in most hidden matrices share; every hidden matrix is
 taken to scale by the same m. Attention's scores should be scaled by 1/d under μP: where the
-graph scales them by 1/√(head dim), `plan` says so in a warning with the fix and changes
-nothing.
+graph scales them by 1/√(head dim), `plan` says so in a warning with the fix (std's attentions
+take `:attn-scale (/ heads width)`) and changes nothing. (When the heads grow with the width and
+the head size stays, 1/√d is a constant and μP's transfer does not need the change.)
 """
 
 from __future__ import annotations
@@ -279,8 +280,9 @@ def attention_warnings(graph: Graph) -> list[str]:
       if where not in seen:
         seen.add(where)
         out.append(f"attention at {where} scales its scores by 1/√d (d = {dh}); μP scales "
-                   f"them by 1/d: write (* scores (/ 1.0 dh)) where it writes (* scores (rsqrt "
-                   "dh)) (std's attention writes 1/√d: copy it into your file to change it)")
+                   f"them by 1/d: pass :attn-scale (/ heads width) to std's model (transformer-lm, "
+                   "gpt2, llama, their blocks and attentions take it), or in your own attention "
+                   "write (* scores (/ 1.0 dh)) where it writes (* scores (rsqrt dh))")
   return out
 
 
@@ -337,6 +339,24 @@ def follow(graph: Graph, loss_graph: Graph, spec) -> Graph:
   if base is None:
     return graph
   return apply(graph, plan(loss_graph, int(base), spec.loc), warn=False)
+
+
+def output_multipliers(graph: Graph, spec) -> dict[str, tuple[float, bool]]:
+  """Under the run's μP (`spec`, the optimizer Spec, carries the base width), each readout
+  parameter's output multiplier (1/m) and whether it is tied to the embedding, the plan read
+  from `graph` (the loss graph); {} when the run is standard. What an export to a format that
+  has no output multiplier (a Hugging Face twin) folds into the readout's weight.
+
+  Raises:
+    SxError: E-MUP-003 (`plan`).
+  """
+  base = base_width(spec)
+  if base is None:
+    return {}
+  found = roles_mod.roles(graph)
+  p = plan(graph, int(base), spec.loc)
+  return {path: (r.output, bool(found[path].tied)) for path, r in p.rules.items()
+          if r.output != 1.0}
 
 
 def _param_path(node: Node) -> str | None:
