@@ -21,6 +21,20 @@ from sexpgpu.lower.rules import lowering
 GPT2 = os.path.join(ROOT, "configs", "gpt2-small.sx")
 TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
 CUDNN = {"__cudnn$fmhaSoftmax": 1, "__cudnn$fmhaSoftmaxBackward": 1}
+
+def _gpt2_attention_place() -> str:
+  """Where std/gpt2.sx writes attention's `(einsum "bhqk,bhkd->bhqd" ...)`, as a region
+  report names it (line:column of the einsum form)."""
+  with open(os.path.join(ROOT, "sexpgpu", "std", "gpt2.sx"), encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      col = line.find('(einsum "bhqk,bhkd->bhqd"')
+      if col >= 0:
+        return f"std/gpt2.sx:{n}:{col + 1}"
+  raise AssertionError("std/gpt2.sx writes no attention einsum")
+
+
+GPT2_ATTENTION = _gpt2_attention_place()
+
 CUDNN_BIAS = {"__cudnn$fmhaScaleBiasSoftmax": 1, "__cudnn$fmhaScaleBiasSoftmaxBackward": 1}
 TRITON3 = {"__gpu$xla.gpu.triton": 3}  # the flash forward, its dK/dV and dQ kernels
 
@@ -136,14 +150,14 @@ def test_check_target_cuda_gpt2_small_bf16_is_cudnn(gpt2_bf16):
   assert [ln.split()[0] for ln in lines[1:]] == [
       "train", "attention", "custom", "flops", "memory", "estimate", "pass", "attention",
       "custom"]
-  assert lines[2].endswith("12 regions at std/gpt2.sx:24:38 → cudnn (causal)")
+  assert lines[2].endswith(f"12 regions at {GPT2_ATTENTION} → cudnn (causal)")
   # the forward twice (remat recomputes it for the backward), one backward
   assert lines[3].split(None, 2)[2] == ("__cudnn$fmhaSoftmax 2, "
                                         "__cudnn$fmhaSoftmaxBackward 1")
   assert "not known without the GPU compiler" in lines[5]
   # the estimate is the train step's: it stands under the train step, before the passes
   assert "H100 (989 TFLOP/s bf16" in lines[6] and "an estimate, not a measurement" in lines[6]
-  assert lines[8].endswith("12 regions at std/gpt2.sx:24:38 → cudnn (causal)")
+  assert lines[8].endswith(f"12 regions at {GPT2_ATTENTION} → cudnn (causal)")
   assert lines[9].split(None, 2)[2] == "__cudnn$fmhaSoftmax 1"
 
 
@@ -173,7 +187,7 @@ def test_a_step_that_cannot_lower_for_cuda_names_the_attention(monkeypatch):
     check(GPT2, "smoke", sets=[("precision", "bf16")], target="cuda")
   err = e.value
   assert err.code == "E-DEV-001"
-  assert str(err.location) == "std/gpt2.sx:24:38"
+  assert str(err.location) == GPT2_ATTENTION
   assert err.message == ("the train step cannot be lowered for cuda: attention: "
                          "NotImplementedError: Unsupported sequence length Q 64, KV 64.")
 
@@ -221,6 +235,7 @@ def _field(text, label, section="train step"):
               if ln.strip().startswith(label + " "))
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 @pytest.mark.parametrize("sharding", ["replicate", "fsdp", "hsdp"])
 def test_gpt2_steps_lower_for_cuda_on_two_ranks(two_ranks, sharding):
   bf16, f32 = two_ranks[f"gpt2 {sharding} bf16"], two_ranks[f"gpt2 {sharding} f32"]
@@ -241,6 +256,7 @@ def test_gpt2_steps_lower_for_cuda_on_two_ranks(two_ranks, sharding):
       assert _field(text, "sharding") == "3 custom calls carry a sharding rule"
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_packed_documents_under_fsdp_lower_for_cuda(two_ranks):
   bf16, f32 = two_ranks["packed fsdp bf16"], two_ranks["packed fsdp f32"]
   assert _field(bf16, "attention").endswith("→ cudnn (segments): segments as cuDNN's bias")
@@ -253,6 +269,7 @@ def test_packed_documents_under_fsdp_lower_for_cuda(two_ranks):
                                                           "cuDNN's bias")
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_the_gpu_check_reads_the_prediction_with_the_gpu_hidden():
   """benchmarks/gpu_served.py's prediction is `check --target cuda`'s attention line."""
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

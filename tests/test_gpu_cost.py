@@ -22,7 +22,8 @@ _spec.loader.exec_module(bench)
 
 # The miss each row reached when the model was written (benchmarks/README.md says why each
 # misses): a bound that a change to the model must not loosen unnoticed.
-ACHIEVED = {"torchtitan": 0.70, "MaxText": 0.15, "llm.c GPT-2 124M": 0.15,
+ACHIEVED = {"torchtitan": 0.70, "MaxText Llama 3 70B": 0.15, "MaxText Llama 3.1 70B": 0.15,
+            "llm.c GPT-2 124M": 0.15,
             "llm.c GPT-2 1558M": 0.15, "nanoGPT": 0.25}
 H100 = gpu_cost.cost("H100")
 
@@ -33,7 +34,7 @@ def table():
   return [(row, bench.predict(row)) for row in bench.ROWS]
 
 
-@pytest.mark.slow  # compiles five graphs (Llama 3 8B and 70B among them): ~12 s of CPU
+@pytest.mark.slow  # compiles six graphs (Llama 3 8B and 70B among them): ~15 s of CPU
 def test_each_published_row_within_the_achieved_miss(table):
   assert len(table) == len(ACHIEVED)
   for row, got in table:

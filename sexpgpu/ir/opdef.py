@@ -31,12 +31,16 @@ class LowerCtx:
   """What a lowering rule may consult besides its inputs and attributes.
 
   Attributes:
-    precision: "f32", or "bf16" to compute products and attention in bf16.
+    precision: "f32", or "bf16" to compute products and attention in bf16, or "fp8": bf16,
+      and the products `fp8` names in float8 (lower/fp8.py).
     rng: the PRNG key of this microbatch (None in passes and shape rules).
     training: False in passes (dropout is off) and in shape rules.
     notes: what rules chose where a choice was made (for the lowering report).
     platform: the device the step runs on ("cpu", "gpu"), where a rule lowers
       differently for it; None when unknown (shape rules, passes).
+    fp8: the uids of the `matmul` nodes lowered in FP8 (set by the evaluator under "fp8").
+    fp8_only: globs over parameter paths naming the matrices whose products run in FP8
+      (empty: the hidden matrices).
   """
 
   precision: str = "f32"
@@ -44,9 +48,12 @@ class LowerCtx:
   training: bool = False
   notes: list = dataclasses.field(default_factory=list)
   platform: str | None = None
+  fp8: frozenset = frozenset()
+  fp8_only: tuple = ()
 
   def compute_dtype(self, x):
-    return jnp.bfloat16 if self.precision == "bf16" and x.dtype == jnp.float32 else x.dtype
+    wide = self.precision in ("bf16", "fp8")  # fp8 leaves all but its products in bf16
+    return jnp.bfloat16 if wide and x.dtype == jnp.float32 else x.dtype
 
 
 class _Required:

@@ -13,6 +13,7 @@ from sexpgpu.front.pyops import op_error
 from sexpgpu.ir.graph import Fn, Graph, Node, walk
 from sexpgpu.ir.opdef import OPS
 from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.lower import fp8
 from sexpgpu.lower.rules import lowering
 
 
@@ -38,6 +39,8 @@ def run_graph(graph: Graph, params: dict[str, Any], inputs: dict[str, Any], ctx:
     rule: asked first for each node outside bodies (see `evaluate`): decoding's caches.
   """
   env: dict[int, Any] = {}
+  if ctx.precision == "fp8":  # the products FP8 takes, from the graph's parameter roles
+    ctx = dataclasses.replace(ctx, fp8=fp8.selected(graph, ctx.fp8_only))
   roots = list(graph.outputs.values()) + [n for ns in graph.taps.values() for n in ns]
   evaluate(roots, env, params, inputs, ctx, taps, rule)
   return {k: env[v.uid] for k, v in graph.outputs.items()}
@@ -81,6 +84,8 @@ def lowered(node: Node, ctx, args: list, attrs: dict):
   """`node`'s value by its op's lowering rule; what an op written in Python raises is
   E-OP-001 at its `.sx` call (every caller of a rule goes through here)."""
   try:
+    if node.uid in ctx.fp8:
+      return fp8.matmul_rule(ctx, *args, **attrs)
     return lowering(node.op, ctx.platform)(ctx, *args, **attrs)
   except Exception as e:
     source = OPS[node.op].source

@@ -27,6 +27,9 @@ GPUS = {
     "L40S": ("NVIDIA L40S", 0.864e12),
     "B200": ("NVIDIA B200", 8.0e12),
 }
+# name → compute capability (NVIDIA's CUDA GPUs table): FP8 matmuls need 8.9 or newer
+CAPABILITY = {"A100": (8, 0), "H100": (9, 0), "H200": (9, 0), "L4": (8, 9), "L40S": (8, 9),
+              "B200": (10, 0)}
 KERNEL_TEXT = {"cudnn": "cudnn", "pallas-flash": "pallas-flash", "pallas-segments":
                "pallas-segments", "xla": "xla"}
 _PALLAS_NAME = re.compile(r"sexpgpu_[a-z_]+|mha_[a-z_]+")
@@ -60,9 +63,33 @@ def check_paper(target: str | None, devices: int | None, nodes: int | None) -> N
                   "devices: --devices 64 --nodes 8")
 
 
+def check_fp8(c, gpu: str | None) -> None:
+  """Raises E-PREC-001 when the run multiplies in FP8 and `--gpu` names a card of compute
+  capability below 8.9."""
+  from sexpgpu.lower import fp8
+  if str(c.exp.run["precision"]) != "fp8" or gpu is None:
+    return
+  name = gpu.upper()
+  if name in CAPABILITY and not fp8.capability_ok(CAPABILITY[name]):
+    fp8.refuse(name, CAPABILITY[name], f"--gpu {gpu}")
+
+
+def fp8_line(c, notes: list) -> str | None:
+  """The report's `fp8` line: how many products run in float8 and of which parameters."""
+  if str(c.exp.run["precision"]) != "fp8":
+    return None
+  from sexpgpu.lower import fp8
+  paths = fp8.selected_paths(c.stages[0].graph)
+  n = sum(1 for x in notes if x.get("kind") == "fp8")
+  shown = ", ".join(paths[:4]) + (f", … ({len(paths)} parameters)" if len(paths) > 4 else "")
+  return _line("fp8", f"{n} products traced in float8 (e4m3 forward, e5m2 gradients, per-tensor "
+               f"current scaling; no scale state): {shown or 'no hidden matrix'}")
+
+
 def paper_text(c, gpu: str | None, devices: int, nodes: int) -> str:
   """The plan of a run on `devices` GPUs (`--gpu`, H100 unless named) over `nodes` nodes."""
   from sexpgpu.run import layout_plan
+  check_fp8(c, gpu)
   gpu = (gpu or "H100").upper()
   if gpu not in ("A100", "H100", "H200", "B200"):
     raise SxError("E-FORM-001", f"--gpu {gpu} has no link figures in the plan's table",
@@ -148,7 +175,9 @@ def _roofline(c, training, gpu: str, flops: int, state) -> list[str]:
   memory = (2 * state_bytes + 2 * act) / bandwidth
   step = max(compute, memory)
   bound = "compute" if compute >= memory else "memory"
-  return [_line("estimate", f"{gpu.upper()} ({peak / 1e12:.0f} TFLOP/s {training.precision}, "
+  # an FP8 run's MFU counts against the bf16 peak, as torchtitan and MaxText count theirs
+  rate = "bf16" if training.precision == "fp8" else training.precision
+  return [_line("estimate", f"{gpu.upper()} ({peak / 1e12:.0f} TFLOP/s {rate}, "
                 f"{bandwidth / 1e12:.2f} TB/s): step ≥ {step * 1e3:.2f} ms, MFU ≤ "
                 f"{100 * compute / step:.0f}% ({bound}-bound roofline; an estimate, not a "
                 "measurement)")]
@@ -159,13 +188,15 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
 
   Raises:
     SxError: E-DP-003 when the microbatches do not divide over the ranks; E-DEV-001 when a
-      step cannot be lowered for CUDA, naming the region.
+      step cannot be lowered for CUDA, naming the region; E-PREC-001 for an FP8 run on a
+      `--gpu` below compute capability 8.9.
   """
   from sexpgpu.lower.cuda_target import cudnn_source
   from sexpgpu.lower.flops import train_flops
   from sexpgpu.run.devices import microbatches_divide, open_devices, parse_device_list
   from sexpgpu.run.training import build
   run = c.exp.run
+  check_fp8(c, gpu)
   k = int(run["microbatches"])
   place = open_devices("cpu", parse_device_list(env.get("SEXPGPU_DEVICES")))
   microbatches_divide(k, place.ranks)
@@ -196,6 +227,9 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
   if layout is not None:
     lines[1:1] = layout.lines()
   lines += _step_lines(c, text, notes)
+  fp8_text = fp8_line(c, notes)
+  if fp8_text:
+    lines.append(fp8_text)
   flops = train_flops(c.stages[0].graph, k)
   lines.append(_line("flops", f"{flops:.3g} a step (the graph's count: forward and backward)"))
   lines.append(_line("memory", "not known without the GPU compiler (run it on the GPU: "

@@ -95,6 +95,14 @@ SMALL_HEAD = 0.8
 # Graphs" blog measures 3-4 µs a kernel launched back to back without a graph).
 LAUNCH = 4e-6
 PRODUCTS = ("matmul", "einsum", "conv", "chunked-cross-entropy")
+# FP8 (`:precision fp8`): the dense FP8 tensor-core peak is twice bf16's on every card that
+# has one (H100/H200 SXM datasheets: 1,979 vs 989 TFLOP/s; HGX B200: 4.5 vs 2.25 PFLOP/s).
+# No published MAMF sweep of FP8 GEMMs sits beside the bf16 one above: the bf16 fraction is
+# assumed for FP8 too. Current scaling reads each operand twice (its amax, then the
+# conversion) and writes it as one byte: the HBM bytes an element adds, for a bf16 activation
+# or cotangent and for an f32 weight.
+FP8_SPEEDUP = 2.0
+FP8_QUANT_BYTES = {"activation": 2 + 2 + 1, "weight": 4 + 4 + 1}
 VIEWS = ("reshape", "transpose", "broadcast", "expand", "squeeze")
 
 
@@ -129,7 +137,7 @@ def memory_seconds(gpu: GpuCost, nbytes: float) -> float:
 def attention_kernel(precision: str) -> str:
   """The kernel lower/attention.py serves a GPU's attention with: cuDNN's fused attention
   takes bf16 (it refuses f32), the Pallas flash kernel on Triton the rest."""
-  return "cudnn" if precision == "bf16" else "pallas-flash"
+  return "cudnn" if precision in ("bf16", "fp8") else "pallas-flash"
 
 
 def _bytes(node) -> int:
@@ -152,15 +160,15 @@ def _kind(node) -> str:
   return "memory"
 
 
-def graph_work(graph, gpu: GpuCost, precision: str) -> dict:
+def graph_work(graph, gpu: GpuCost, precision: str, fp8: frozenset = frozenset()) -> dict:
   """One microbatch's forward and backward on one GPU, each term's seconds and kernels.
 
   Returns:
     {"matmul", "attention", "memory": seconds; "kernels": launches; "repeat": the part of
     each inside repeated blocks (seconds of one forward, for remat); "blocks": trips of
-    repeated blocks}.
+    repeated blocks}. `fp8`: the uids of the products lower/fp8.py runs in float8.
   """
-  item = 2 if precision == "bf16" else 4
+  item = 2 if precision in ("bf16", "fp8") else 4
   fwd, bwd = gpu.attention[attention_kernel(precision)]
   out = {"matmul": 0.0, "attention": 0.0, "memory": 0.0, "kernels": 0, "repeat": 0.0,
          "blocks": 0}
@@ -178,7 +186,11 @@ def graph_work(graph, gpu: GpuCost, precision: str) -> dict:
         visit([node.attr("body").output], times * n, True)
         continue
       kind, secs = _kind(node), 0.0
-      if kind == "matmul":
+      if kind == "matmul" and node.uid in fp8:
+        secs, quant = _product_fp8(node, gpu)
+        out["memory"] += times * quant
+        out["kernels"] += times * 3  # the amax, the conversion, a third for the cotangent
+      elif kind == "matmul":
         secs = _product(node, gpu, item)
       elif kind == "attention":
         q, k = node.inputs[:2]
@@ -217,6 +229,19 @@ def _product(node, gpu: GpuCost, item: int) -> float:
   return 3 * node_flops(node) / (gpu.peak * gpu.mamf)
 
 
+def _product_fp8(node, gpu: GpuCost) -> tuple[float, float]:
+  """An FP8 product's three GEMMs at the FP8 rate with one-byte operands, and the seconds
+  its current scaling spends quantising x, w (forward) and the cotangent (backward)."""
+  x, w = node.inputs[:2]
+  k, m, n = x.shape[-1], math.prod(x.shape[:-1]), node.shape[-1]
+  fast = dataclasses.replace(gpu, peak=gpu.peak * FP8_SPEEDUP)
+  gemms = (matmul_seconds(fast, m, n, k, 1) + matmul_seconds(fast, m, k, n, 1)
+           + matmul_seconds(fast, k, n, m, 1))
+  act, wt = FP8_QUANT_BYTES["activation"], FP8_QUANT_BYTES["weight"]
+  quant = (act * m * k + wt * k * n + act * m * n) / gpu.hbm
+  return gemms, quant
+
+
 def _written(node, readers) -> bool:
   """Whether a memory-bound op's value leaves its fusion: a product or attention reads it,
   or the step's end (nothing in the graph reads it)."""
@@ -246,10 +271,14 @@ _CACHE: dict = {}
 def work(graph, gpu: GpuCost, precision: str) -> dict:
   """`graph_work`, remembered for the graph (every candidate of a plan shares it)."""
   key = (id(graph), gpu.name, precision)
-  if precision != "bf16":  # f32 runs take TF32's tensor-core rate, half bf16's (links.py)
+  if precision not in ("bf16", "fp8"):  # f32 runs take TF32's tensor-core rate (links.py)
     gpu = dataclasses.replace(gpu, peak=gpu.peak / 2)
   if key not in _CACHE or _CACHE[key][0] is not graph:
-    _CACHE[key] = (graph, graph_work(graph, gpu, precision))
+    fp8 = frozenset()
+    if precision == "fp8":
+      from sexpgpu.lower.fp8 import selected
+      fp8 = selected(graph)
+    _CACHE[key] = (graph, graph_work(graph, gpu, precision, fp8))
   return _CACHE[key][1]
 
 

@@ -331,7 +331,7 @@ def estimate(c, cand: Candidate, hw: Hardware, nodes: int, facts: dict, pairs, s
     g_model += x.size * 4 / model
   g_dev = g_model * p_dev / max(p_model, 1)
   o_dev = o_all * p_dev / max(p_all, 1)
-  act_scale = 0.5 if precision == "bf16" else 1.0
+  act_scale = 0.5 if precision in ("bf16", "fp8") else 1.0
   acts = facts["values"]
   if cand.remat and facts["repeats"]:
     # each block's input is kept; one block's values live again while it is recomputed

@@ -44,7 +44,7 @@ class Hardware:
 
   def peak_at(self, precision: str) -> float:
     """The peak at a run's precision: a GPU's TF32 rate is half its bf16 rate."""
-    return self.peak if precision == "bf16" or self.name.startswith("cpu") else self.peak / 2
+    return self.peak if precision in ("bf16", "fp8") or self.name.startswith("cpu") else self.peak / 2
 
 
 GiB = 1 << 30
