@@ -1,7 +1,7 @@
 """sexpgpu against a PyTorch twin of nanoGPT on its shakespeare_char CPU recipe.
 
-    python benchmarks/bench_nanogpt.py [--rounds 3] [--iters 2000] [--quick] [--data DIR]
-                                       [--legs twin,sexpgpu,cold] [--json F]
+    python benchmarks/bench_nanogpt.py [--rounds 3] [--iters 2000] [--quick] [--startup]
+                                       [--data DIR] [--legs twin,sexpgpu,cold] [--json F]
 
 Prepares the text (benchmarks/prepare_shakespeare.py DIR, once), then in each round, in a
 rotating order, runs as separate processes:
@@ -29,6 +29,9 @@ What is timed:
 - peak RSS: the child's `ru_maxrss` (os.wait4), which covers the process and any it waited on.
 - validation loss: the twin's over the whole validation split after the last iteration; for
   sexpgpu its last `eval/loss` (the pass reads the whole split).
+
+`--startup` runs every leg for one iteration: start-up and peak RSS only (no ms/iteration
+and no loss compared).
 
 Ratios are sexpgpu ÷ twin within a round, then the median (and range) over rounds.
 The machine's load (os.getloadavg) is printed before and after each leg.
@@ -183,15 +186,18 @@ def report(results: list[dict]) -> list[str]:
   def paired(leg, f):
     return [f(r[leg]) / f(r["twin"]) for r in results if leg in r]
   if "sexpgpu" in legs:
-    lines.append(_ratio_line("ms/iteration sexpgpu ÷ twin",
-                             paired("sexpgpu", lambda x: statistics.median(x["periods"]))))
+    timed = all(r[leg]["periods"] for r in results for leg in ("sexpgpu", "twin"))
+    if timed:  # not under --startup: one iteration has no period
+      lines.append(_ratio_line("ms/iteration sexpgpu ÷ twin",
+                               paired("sexpgpu", lambda x: statistics.median(x["periods"]))))
     lines.append(_ratio_line("start-up warm sexpgpu ÷ twin",
                              paired("sexpgpu", lambda x: x["startup_s"])))
     lines.append(_ratio_line("peak RSS warm sexpgpu ÷ twin",
                              paired("sexpgpu", lambda x: x["rss_mib"])))
     d = [r["sexpgpu"]["val_loss"] - r["twin"]["val_loss"] for r in results]
-    lines.append(f"{'val loss sexpgpu − twin':34s} {statistics.median(d):+.4f} "
-                 f"({min(d):+.4f}..{max(d):+.4f})")
+    if timed:
+      lines.append(f"{'val loss sexpgpu − twin':34s} {statistics.median(d):+.4f} "
+                   f"({min(d):+.4f}..{max(d):+.4f})")
   if "cold" in legs:
     lines.append(_ratio_line("start-up cold sexpgpu ÷ twin",
                              paired("cold", lambda x: x["startup_s"])))
@@ -206,13 +212,15 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--iters", type=int, default=2000)
   ap.add_argument("--quick", action="store_true", help="300 iterations (the loss not compared)")
+  ap.add_argument("--startup", action="store_true",
+                  help="one iteration a leg: start-up and peak RSS only")
   ap.add_argument("--data", default=DATA, help="where the prepared text is (or is written)")
   ap.add_argument("--legs", default="twin,sexpgpu,cold")
   ap.add_argument("--config", default=CONFIG)
   ap.add_argument("--vocab", type=int, default=78, help="the config's vocab knob")
   ap.add_argument("--json", help="write the rounds' results here")
   args = ap.parse_args(argv)
-  iters = 300 if args.quick else args.iters
+  iters = 1 if args.startup else 300 if args.quick else args.iters
   text = prepare(args.data)
   legs = [x for x in args.legs.split(",") if x]
   print(f"bench_nanogpt: {args.rounds} rounds of {', '.join(legs)}, {iters} iterations, "

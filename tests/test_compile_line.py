@@ -62,10 +62,12 @@ def _shape(text: str) -> list[str]:
   return [re.sub(r"\d+(\.\d+)?", "#", line) for line in text.splitlines()]
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_a_terminal_sees_what_is_compiling_and_how_many_are_built(both):
   tty, _ = both
   drawn = re.findall(r"\r\x1b\[K(compiling [^\r\n]*)", tty)
-  assert any(d.startswith("compiling the train step: ") for d in drawn), drawn
+  # compiles in threads are named together (the initial state builds beside the steps)
+  assert any(re.match(r"compiling (.+, )?the train step(, .+)?: ", d) for d in drawn), drawn
   assert all(re.fullmatch(r"compiling .+: \d+ executables? built, \d+\.\ds", d) for d in drawn)
   counts = [int(re.search(r": (\d+) exec", d).group(1)) for d in drawn]
   assert counts == sorted(counts) and counts[-1] >= 1
@@ -73,7 +75,29 @@ def test_a_terminal_sees_what_is_compiling_and_how_many_are_built(both):
   assert all(not line.startswith("compiling") for line in _without_transient(tty).splitlines())
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_off_a_terminal_the_lines_are_as_before(both):
   tty, pipe = both
   assert "\r" not in pipe and "\x1b" not in pipe and "compiling" not in pipe
   assert _shape(_without_transient(tty)) == _shape(pipe)
+
+
+def test_compiles_in_threads_are_named_together_until_each_ends():
+  import io
+  import time
+
+  from sexpgpu.run.progress import BACKEND_COMPILE, CompileLine
+  line = CompileLine(io.StringIO())  # not started: no thread draws it
+  CompileLine._active = line
+  try:
+    for name, started in (("jit(initial_state)", True), ("jit(_full_step)", True)):
+      CompileLine._on(BACKEND_COMPILE, {"fun_name": name}, started)
+    now = time.monotonic()
+    assert line.text(now).startswith("compiling the train step, the initial state: "
+                                     "0 executables built, ")
+    CompileLine._on(BACKEND_COMPILE, {"fun_name": "jit(initial_state)"}, False)
+    assert line.text(now).startswith("compiling the train step: 1 executable built, ")
+    CompileLine._on(BACKEND_COMPILE, {"fun_name": "jit(_full_step)"}, False)
+    assert line.current is None and line.built == 2
+  finally:
+    CompileLine._active = None

@@ -146,7 +146,7 @@ COMPILING = {"_full_step": "the train step", "_dp_step": "the train step",
              "_chunk_grads": "a microbatch's gradients", "_sharded_chunk":
              "a microbatch's gradients", "_zeros": "the accumulators",
              "_sharded_zeros": "the accumulators", "_metrics": "a pass's metrics",
-             "<lambda>": "a small function"}
+             "initial_state": "the initial state", "<lambda>": "a small function"}
 
 
 class CompileLine:
@@ -166,7 +166,8 @@ class CompileLine:
     self.lock = threading.RLock()
     self._cond = threading.Condition(self.lock)
     self.built = 0
-    self.current: str | None = None
+    self.current: str | None = None  # the latest compile that is still running
+    self._running: list[tuple[str, float]] = []  # (name, start): compiles run in threads too
     self._since = 0.0  # the current compile's start (monotonic)
     self._ended = 0.0  # the last compile's end
     self._first: float | None = None
@@ -210,17 +211,22 @@ class CompileLine:
     with line._cond:
       now = time.monotonic()
       if started:
-        line.current, line._since = name, now
+        line._running.append((name, now))
         line._first = now if line._first is None else line._first
       else:
         line.built += 1
-        line.current, line._ended = None, now
+        line._ended = now
+        ended = next((i for i, (n, _) in enumerate(line._running) if n == name), 0)
+        if line._running:
+          del line._running[ended]
+      line.current, line._since = line._running[-1] if line._running else (None, line._since)
       line._cond.notify()
 
   def text(self, now: float) -> str:
     """The line as it reads at `now` (monotonic seconds)."""
-    name = (self.current or "").removeprefix("jit(").removesuffix(")")
-    what = COMPILING.get(name, name or "-")
+    names = [n for n, _ in self._running[::-1]] or [self.current or ""]
+    what = ", ".join(dict.fromkeys(COMPILING.get(n, n or "-") for n in (
+        n.removeprefix("jit(").removesuffix(")") for n in names)))
     secs = now - (self._first if self._first is not None else now)
     return (f"compiling {what}: {self.built} executable{'s' if self.built != 1 else ''} "
             f"built, {secs:.1f}s")

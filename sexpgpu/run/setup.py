@@ -16,6 +16,7 @@ from sexpgpu.env import check_visible, cpu_visible, rendezvous_timeout
 from sexpgpu.errors import SxError, scrub
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT
 from sexpgpu.lower.flops import device_peak, forward_bytes, train_flops
+from sexpgpu.models.warm import source_of
 from sexpgpu.run import layout_choice, output, signals
 from sexpgpu.run.compile import cache_dir
 from sexpgpu.run.devices import (MMAP_CEILING, TRIM_CEILING, autotune_of, cpu_flags, deterministic,
@@ -219,8 +220,10 @@ def build_training(c, place, nodes_cfg, rdv, resume_dir: str | None, progress):
                            "knobs": {k: str(v.value) for k, v in c.selection.knobs.items()
                                      if k in NOT_IN_FINGERPRINT}}, rdv)
   training = build(c, place, node_gradients)
+  if resume_dir is None and not source_of(c):  # a cold start: its initial state compiles
+    training.prepare_init()  # in a thread while the plan compiles the steps
   progress.flops = [train_flops(s.graph, training.k) for s in c.stages]
-  progress.peak = device_peak(place.first, training.precision)
+  progress.peak = device_peak(place.first, training.precision, cache_dir())
   if any("tokens" in f for f in c.fields.values()):
     progress.counters["tokens"] = 0
   return training

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sexpgpu.ir.shapes import np_dtype
-from sexpgpu.lower.init import init_params
+from sexpgpu.lower.init import compile_init, compile_init_soon, init_params
 from sexpgpu.lower.optim import make_optimizer
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
 from sexpgpu.lang.mesh import check_devices, is_mesh
@@ -73,6 +73,7 @@ class Training:
       self.node_gradients = "f32"
     self._steps: dict[tuple[int, int], TrainStep] = {}
     self.trainable = trainable(self.c)
+    self._init_soon = None  # (stage, the future of its initial state's executable)
 
   def trained(self, params: dict) -> dict:
     """The trained ones of `params` (`:trainable`, LoRA's adapters; all without them)."""
@@ -188,20 +189,38 @@ class Training:
           self.trained(state["params"]))
     return state
 
+  def _initial(self, stage: int):
+    """The function that makes the stage's initial state: parameters, optimizer state and
+    counters, jitted as one executable (lower/init.py's compile_init)."""
+    opt, _ = self.optimizer(stage)
+
+    def initial_state():
+      return init_state(init_params(self.seed, self.c.params), opt)
+    return initial_state
+
+  def prepare_init(self, stage: int = 0) -> None:
+    """Starts compiling the replicated initial state in a thread (init_state waits for it),
+    so that it builds while the plan compiles the steps."""
+    if self.sharding == "replicate" and self.place is not None:
+      first = self.place.first
+      self._init_soon = (stage, compile_init_soon(self._initial(stage), first.platform, first))
+
   def init_state(self, stage: int = 0) -> dict:
     """The initial train state, placed on the run's devices."""
-    opt, _ = self.optimizer(stage)
     place = self.place
     if self.sharding != "replicate":  # each device initializes only its shards
       abstract = self.abstract_state(stage)
       shardings = self.step(stage, self.k // self.ranks).state_shardings(abstract)
 
       shardings.pop("carry", None)
-      state = jax.jit(lambda: init_state(init_params(self.seed, self.c.params), opt),
-                      out_shardings=shardings)()
+      state = compile_init(self._initial(stage), place.first.platform,
+                           out_shardings=shardings)()
     else:
+      soon, self._init_soon = self._init_soon, None  # run once: its executable is not kept
+      made = (soon[1].result() if soon is not None and soon[0] == stage else
+              compile_init(self._initial(stage), place.first.platform, place.first))
       with jax.default_device(place.first):
-        state = place.replicate(init_state(init_params(self.seed, self.c.params), opt))
+        state = place.replicate(made())
     if self.carried:
       state["carry"] = self.zero_carry(stage)
     return state
