@@ -111,6 +111,9 @@ _ENTRIES = (
           "run on a GPU of compute capability 8.0 or newer, or with --device cpu"),
     Entry("E-DEV-003", "the NVIDIA driver is older than the 580 series",
           "install an NVIDIA driver of the 580 series or newer"),
+    Entry("E-PREC-001", "FP8 matmuls asked of a GPU whose compute capability is below 8.9 (the "
+          "card and its capability named)",
+          "--set precision=bf16 on this card, or an H100, H200, L40S or B200 (8.9 or newer)"),
     Entry("E-MEM-001", "the plan does not fit",
           "lower :batch or the sequence length, use more :microbatches, or a larger card"),
     Entry("E-MEM-002", "a GPU reports no memory statistics, so the plan has nothing to plan "
@@ -176,6 +179,10 @@ _ENTRIES = (
           "assistant's text (the template's file)",
           "fix the chat_template of tokenizer_config.json, or mark the assistant's text with "
           "{% generation %}"),
+    Entry("E-REF-001",
+          "a resume whose reference model's starting parameters, read again from `:init-from` "
+          "(or drawn from the seed), differ from those the run started from (both digests)",
+          "restore the :init-from source as the run started from it, or start a new run"),
     # ops written in Python
     Entry("E-OP-001",
           "an op written in Python failed: its file raised while loading, its declaration "
