@@ -26,6 +26,7 @@ def _fail(monkeypatch, times):
   monkeypatch.setattr(TrainStep, "__call__", flaky)
 
 
+@pytest.mark.slow  # a run whose allocation fails once, retried
 def test_one_failed_allocation_is_retried(monkeypatch, tmp_path):
   monkeypatch.setenv("SEXPGPU_STACKING", "2")  # no measurement at the first step
   _fail(monkeypatch, 1)

@@ -43,6 +43,7 @@ def _json(cell):
   return json.loads(text.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a notebook kernel trains, samples and exports
 def test_a_notebook_trains_reads_params_samples_and_exports(tmp_path):
   setup = (f"import json, os\nROOT = {ROOT!r}\nCK = {str(tmp_path / 'ck')!r}\n"
            f"OUT = {str(tmp_path)!r}")

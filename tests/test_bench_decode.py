@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import BENCH_XLA_FLAGS, ROOT
+
+pytestmark = pytest.mark.slow  # a benchmark at its tiny shape, compiled as a user's run
 
 BENCH = os.path.join(ROOT, "benchmarks", "bench_decode.py")
 

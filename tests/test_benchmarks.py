@@ -45,6 +45,7 @@ def test_bench_train_tiny_smoke(tmp_path):
     assert x["tok_s"] > 0 and x["first_s"] > 0 and x["rss_mib"] > 0
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_bench_fsdp_styles_smoke():
   """The two ways to write an FSDP step compute the same parameters (the ratio it prints
   is what lower/fsdp.py's choice cites)."""

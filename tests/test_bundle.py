@@ -34,6 +34,7 @@ def char_bundle(tmp_path_factory):
   return made / "run.sxb", _summary(orig.stdout)
 
 
+@pytest.mark.slow  # reads the char bundle: packs configs/shakespeare-char.sx with its data
 def test_manifest(char_bundle):
   path, _ = char_bundle
   m = read_manifest(str(path))
@@ -48,6 +49,7 @@ def test_manifest(char_bundle):
   assert names == {"manifest.json", "char-lm.sx", "data/corpus.txt"}
 
 
+@pytest.mark.slow  # a bundle's run and its checkpoint commands in subprocesses
 def test_bundle_runs_elsewhere_with_the_same_summary(char_bundle, tmp_path):
   path, original = char_bundle
   elsewhere = tmp_path / "elsewhere"
@@ -84,6 +86,7 @@ def _rewrite(src, dst, change):
         zout.writestr(name, data)
 
 
+@pytest.mark.slow  # reads the char bundle: packs configs/shakespeare-char.sx with its data
 def test_tampered_member_is_e_bundle_002(char_bundle, tmp_path):
   path, _ = char_bundle
   bad = tmp_path / "bad.sxb"
@@ -101,6 +104,7 @@ def test_tampered_member_is_e_bundle_002(char_bundle, tmp_path):
   assert e.value.code == "E-BUNDLE-002" and "extra.sx" in e.value.message
 
 
+@pytest.mark.slow  # reads the char bundle: packs configs/shakespeare-char.sx with its data
 @pytest.mark.parametrize("member", ["../x.sx", "/tmp/sexpgpu-abs-member.sx", "a/../../x.sx"])
 def test_unsafe_member_is_e_bundle_001(char_bundle, tmp_path, member):
   path, _ = char_bundle
@@ -124,6 +128,7 @@ def test_without_data_records_what_is_left_out(tmp_path):
   assert m["data_not_bundled"] == ["data/blobs.npz"] and list(m["files"]) == ["classifier.sx"]
 
 
+@pytest.mark.slow  # reads the char bundle: packs configs/shakespeare-char.sx with its data
 def test_a_tar_of_the_same_members_is_refused_as_a_tar(char_bundle, tmp_path):
   """A bundle is the zip `sexpgpu bundle` writes: tarfile reads a pax or long-name header
   whole, whatever size it declares, so a tar is not opened (its links included)."""
@@ -155,6 +160,7 @@ def test_check_of_a_bundle_without_its_data_says_where_to_put_it(tmp_path, monke
       f"{tmp_path})") in err
 
 
+@pytest.mark.slow  # a bundle's run and its checkpoint commands in subprocesses
 def test_the_checkpoint_commands_take_a_bundle_as_run_does(char_bundle, tmp_path):
   """`export` (as sample, eval and import, through one compile) opens a bundle and compiles
   its own selection: the slug run wrote under is the one it finds."""
@@ -175,6 +181,7 @@ def test_the_checkpoint_commands_take_a_bundle_as_run_does(char_bundle, tmp_path
   assert r.returncode == 1 and "error[E-VARIANT-001]" in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # reads the char bundle: packs configs/shakespeare-char.sx with its data
 def test_a_bundle_made_with_another_std_says_which_file_differs(char_bundle, tmp_path,
                                                                  monkeypatch, capsys):
   """The manifest's std hashes are compared with this installation's files: each that differs
@@ -202,6 +209,7 @@ def test_a_bundle_made_with_another_std_says_which_file_differs(char_bundle, tmp
       "run compiles this installation's, so its results may differ from the bundle's"]
 
 
+@pytest.mark.slow  # reads the char bundle: packs configs/shakespeare-char.sx with its data
 def test_an_extraction_killed_outright_is_swept_by_the_next(char_bundle, tmp_path, monkeypatch):
   """A `.tmp` folder of a process that no longer exists (SIGKILL mid-extraction) is removed
   when the bundle is next opened; one of a living process is left to it."""
@@ -219,6 +227,7 @@ def test_an_extraction_killed_outright_is_swept_by_the_next(char_bundle, tmp_pat
   assert dest.is_dir() and not abandoned.exists() and living.exists()
 
 
+@pytest.mark.slow  # reads the char bundle: packs configs/shakespeare-char.sx with its data
 def test_check_of_a_bundle_names_the_bundle_not_its_extracted_copy(char_bundle, tmp_path,
                                                                     monkeypatch, capsys):
   from sexpgpu.cli.main import main

@@ -177,6 +177,7 @@ def _in_small_tmpfs(tmp_path, options: str, *argv) -> tuple[str, list[str]] | No
   return r.stderr, [os.path.relpath(p, disk) for p in left]
 
 
+@pytest.mark.slow  # a bundle extracted in a subprocess
 def test_a_full_disk_mid_extraction_is_e_bundle_005_and_leaves_nothing(named, tmp_path):
   """Finding 4: ENOSPC while writing was an OSError traceback and a `.tmp` folder left.
   Five inodes: the folder, bundles/, the temporary folder, char-lm.sx and data/ fit;
@@ -193,6 +194,7 @@ def test_a_full_disk_mid_extraction_is_e_bundle_005_and_leaves_nothing(named, tm
   assert left == ["bundles"]  # the temporary folder went with the failure
 
 
+@pytest.mark.slow  # a bundle extracted in a subprocess
 def test_a_disk_without_room_for_the_manifests_bytes_is_refused_before_writing(named, tmp_path):
   _, base = named
   got = _in_small_tmpfs(tmp_path, "size=16k", "run", base, "--steps", "1")
@@ -204,6 +206,7 @@ def test_a_disk_without_room_for_the_manifests_bytes_is_refused_before_writing(n
   assert left == ["bundles"]
 
 
+@pytest.mark.slow  # a process timed against a fifo
 def test_a_fifo_named_sxb_does_not_hang(tmp_path):
   fifo = tmp_path / "x.sxb"
   os.mkfifo(fifo)

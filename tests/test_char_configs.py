@@ -40,6 +40,7 @@ def test_the_interface_the_benchmarks_use(name):
   assert "python benchmarks/prepare_shakespeare.py cache/shakespeare" in src
 
 
+@pytest.mark.slow  # trains each char config on a small text
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_checks_and_trains_on_a_small_text(name, capsys):
   assert main(["check", _config(name), *SMALL]) == 0

@@ -128,6 +128,7 @@ KILL_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # kill -9 during a save
 def test_sigkill_mid_save_leaves_last_complete(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   run = tmp_path / "run"
@@ -274,6 +275,7 @@ def s3(moto, monkeypatch, request):
   yield fs, f"s3://{bucket}/exp"
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_s3_roundtrip_fresh_store_and_markers(s3):
   fs, loc = s3
   state = make_state()
@@ -302,6 +304,7 @@ def test_s3_roundtrip_fresh_store_and_markers(s3):
   fresh.close()
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_s3_retention_keeps_two(s3):
   fs, loc = s3
   store = CheckpointStore(loc, "run", keep=2)
@@ -319,6 +322,7 @@ def test_s3_retention_keeps_two(s3):
   assert_bitwise(got, make_state(3))
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_s3_missing_bucket(moto, monkeypatch):
   _aws_env(monkeypatch, moto)
   store = CheckpointStore("s3://no-such-bucket-xyz/p", "run", keep=1)
@@ -333,6 +337,7 @@ def test_s3_missing_bucket(moto, monkeypatch):
   store.close()
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_s3_server_dies_mid_upload(s3, moto, monkeypatch):
   """The store's server dies while uploading step 2: an SxError, step 1 intact.
 

@@ -126,6 +126,7 @@ def _losses(path):
   return {e["step"]: e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"}
 
 
+@pytest.mark.slow  # runs, damages and resumes
 def test_resume_latest_skips_a_damaged_newest_step_and_resumes_exactly(tmp_path):
   full = _run("--checkpoint-dir", str(tmp_path / "ck"), "--metrics", f"jsonl:{tmp_path / 'a'}")
   assert full.returncode == 0, full.stderr
@@ -145,6 +146,7 @@ def test_resume_latest_skips_a_damaged_newest_step_and_resumes_exactly(tmp_path)
   assert sorted(b) == [17, 18, 19, 20] and all(a[s] == b[s] for s in b)
 
 
+@pytest.mark.slow  # a run in a subprocess, timed to its exit
 def test_a_save_that_cannot_be_written_exits_within_seconds(tmp_path):
   """The location is taken away mid-run: E-CKPT-004 naming what is intact, then exit at once
   (no thread left waiting on a save that cannot finish)."""
@@ -178,6 +180,7 @@ def _can_mount_tmpfs(folder) -> bool:
   return r.returncode == 0
 
 
+@pytest.mark.slow  # runs, damages and resumes
 def test_a_full_disk_names_the_intact_step_and_what_to_free(tmp_path):
   """The checkpoint folder is a 300 KiB tmpfs: step 4 fits (188 KiB), step 8 does not.
   E-CKPT-004 says the device is full, names step 4 as checked against its manifest and what

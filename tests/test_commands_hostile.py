@@ -330,6 +330,7 @@ def test_the_fuzz_oracle_catches_an_exit_0_for_a_bad_case(tmp_path):
                                                    str(tmp_path))
 
 
+@pytest.mark.slow  # fuzz
 def test_fuzz_slice(ckpt, tmp_path):
   """40 hostile cases through sample, eval, plot and watch: none escapes, hangs or exits 0
   for a bad input (`python benchmarks/fuzz_commands.py --count 1000` runs more)."""

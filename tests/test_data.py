@@ -296,6 +296,7 @@ def s3(endpoint, monkeypatch):
   return bucket_fs(endpoint, "data-bucket", monkeypatch)
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_s3_tokens_fetched_once_and_equal_to_local(s3, files, tmp_path, monkeypatch):
   import s3fs  # pylint: disable=import-outside-toplevel
   s3.put_file(str(files / "train.bin"), "data-bucket/runs/train.bin")
@@ -323,6 +324,7 @@ def test_s3_tokens_fetched_once_and_equal_to_local(s3, files, tmp_path, monkeypa
   assert len(calls) == 2 and third.records == 200
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_s3_missing_object_is_001_and_missing_bucket_is_004(s3, tmp_path):
   with pytest.raises(SxError) as e:
     make_loader(spec("tokens", path="s3://data-bucket/none.bin", seq=4, batch=2),

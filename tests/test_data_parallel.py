@@ -29,6 +29,7 @@ def _losses(m):
   return [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"]
 
 
+@pytest.mark.slow  # runs over host devices, each a subprocess
 def test_two_host_devices_match_one(tmp_path):
   p1, m1 = _run(tmp_path, "one")
   p2, m2 = _run(tmp_path, "two", "0,1")
@@ -40,6 +41,7 @@ def test_two_host_devices_match_one(tmp_path):
   assert b["eval"]["eval/loss"] == pytest.approx(a["eval"]["eval/loss"], abs=1e-5)
 
 
+@pytest.mark.slow  # runs over host devices, each a subprocess
 def test_two_host_devices_with_stacking_1(tmp_path):
   p1, m1 = _run(tmp_path, "one")
   p2, m2 = _run(tmp_path, "two", "0,1", env={"SEXPGPU_STACKING": "1"})
@@ -67,6 +69,7 @@ def test_an_ordinal_past_the_cpus_is_e_dp_001_as_doctor_says(tmp_path):
   assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # runs over host devices, each a subprocess
 def test_one_rank_on_host_device_1_trains_as_on_device_0(tmp_path):
   if (os.cpu_count() or 1) < 2:
     pytest.skip("one CPU: host device 1 is not visible")
@@ -82,6 +85,7 @@ def test_microbatches_must_divide_e_dp_003(tmp_path):
   assert p.returncode == 1 and "error[E-DP-003]" in p.stderr
 
 
+@pytest.mark.slow  # runs over host devices, each a subprocess
 def test_resume_with_another_rank_count_is_e_dp_002(tmp_path):
   ck = tmp_path / "ck"
   p, _ = _run(tmp_path, "one", extra=("--checkpoint-dir", str(ck)))

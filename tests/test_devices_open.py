@@ -114,6 +114,7 @@ print(json.dumps({"flags": flags, "hits": counter.snapshot()[2]}))
 """
 
 
+@pytest.mark.slow  # two processes each
 @pytest.mark.parametrize("resumed", [False, True])
 def test_deterministic_processes_set_equal_flags_and_share_cache_hits(tmp_path, resumed):
   """Two processes under SEXPGPU_DETERMINISTIC=1 (fresh, or resuming one checkpoint's

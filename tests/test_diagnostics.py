@@ -59,7 +59,8 @@ def test_param_norm_matches_the_parameters():
   assert value == pytest.approx(expected, rel=1e-5)
 
 
-def test_unknown_diagnostic_is_e_name_001():
-  p = subprocess.run(sexpgpu_cmd("run", EXP, "--diagnostics", "gnrom"), cwd=ROOT,
-                     capture_output=True, text=True, timeout=300)
-  assert p.returncode == 1 and "error[E-NAME-001]" in p.stderr and "gnorm" in p.stderr
+def test_unknown_diagnostic_is_e_name_001(capsys):
+  from sexpgpu.cli.main import main
+  code = main(["run", EXP, "--diagnostics", "gnrom"])
+  err = capsys.readouterr().err
+  assert code == 1 and "error[E-NAME-001]" in err and "gnorm" in err and "Traceback" not in err

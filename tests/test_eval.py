@@ -85,6 +85,7 @@ def runs(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow  # reads defeval's runs: with, without, stopped and resumed
 def test_a_defeval_scores_its_tasks_at_its_steps(runs):
   got = _events(runs["with"], "eval")
   assert [(e["step"], e["task"]) for e in got] == [
@@ -98,6 +99,7 @@ def test_a_defeval_scores_its_tasks_at_its_steps(runs):
       "bench/cloze/bits_per_byte"]
 
 
+@pytest.mark.slow  # reads defeval's runs: with, without, stopped and resumed
 def test_the_evaluation_leaves_the_training_steps_unchanged(runs):
   def losses(path):
     return [(e["step"], e["train/loss"]) for e in _events(path, "step")]
@@ -105,6 +107,7 @@ def test_the_evaluation_leaves_the_training_steps_unchanged(runs):
   assert losses(runs["with"]) == losses(runs["without"])  # bitwise
 
 
+@pytest.mark.slow  # reads defeval's runs: with, without, stopped and resumed
 def test_a_resume_reports_the_same_scores_at_the_same_step(runs):
   full = {(e["step"], e["task"]): e["metrics"] for e in _events(runs["with"], "eval")}
   first = _events(runs["split1"], "eval")

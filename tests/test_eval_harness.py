@@ -16,6 +16,8 @@ import pytest
 import sexpgpu
 from sexpgpu.cli.main import main
 
+pytestmark = pytest.mark.slow  # PyTorch parity: lm-evaluation-harness on an exported model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "configs", "data")
 TASKS = {"choice": os.path.join(DATA, "choice.jsonl"), "cloze": os.path.join(DATA, "cloze.jsonl")}

@@ -183,6 +183,7 @@ def _files(folder):
           for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # runs and checkpoints in subprocesses
 def test_a_run_without_resume_into_its_own_checkpoints_is_refused_touching_nothing(
     tmp_path, capsys):
   ck = tmp_path / "ck"
@@ -208,6 +209,7 @@ def test_a_run_without_resume_into_its_own_checkpoints_is_refused_touching_nothi
 
 # --- finding 14 (c): a full disk's partial step folder goes with the run that hit it --------
 
+@pytest.mark.slow  # runs and checkpoints in subprocesses
 def test_a_full_disk_leaves_no_partial_step_and_keeps_the_good_one(tmp_path):
   """The checkpoint folder is a 300 KiB tmpfs: step 4 fits, step 8 does not (as
   tests/test_ckpt_faults.py's full disk). The failed save's folder is gone when the run

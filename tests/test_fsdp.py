@@ -34,6 +34,7 @@ def _losses(m):
   return [e["train/loss"] for e in map(json.loads, open(m)) if e["kind"] == "step"]
 
 
+@pytest.mark.slow  # runs over 8 host devices
 def test_fsdp_over_8_devices_trains_as_replicate_and_bitwise_run_to_run(tmp_path):
   runs = {}
   for name, sharding in (("rep", "replicate"), ("fsdp", "fsdp"), ("fsdp2", "fsdp")):
@@ -80,6 +81,7 @@ def test_each_device_holds_an_eighth_of_the_parameters_and_optimizer_state():
     assert mine < whole / 4, part
 
 
+@pytest.mark.slow  # a run over 8 host devices
 def test_the_plan_counts_a_device_share_and_names_fsdp(tmp_path):
   args = ("--set", "microbatches=4", "--set", "width=256", "--print", "plan")
   rep = subprocess.run(sexpgpu_cmd("check", TINY, *args, "--set", "sharding=replicate"), cwd=ROOT,
@@ -99,6 +101,7 @@ def test_the_plan_counts_a_device_share_and_names_fsdp(tmp_path):
     assert part(fsdp.stdout, name) == pytest.approx(part(rep.stdout, name) / 4, rel=0.05)
 
 
+@pytest.mark.slow  # a run over 8 host devices
 def test_a_run_refused_replicated_names_fsdp_and_runs_with_it(tmp_path):
   sets = ("--set", "width=256", "--steps", "2")
   env = _env(4, SEXPGPU_MEMORY="25MiB")
@@ -110,6 +113,7 @@ def test_a_run_refused_replicated_names_fsdp_and_runs_with_it(tmp_path):
   assert len(_losses(m)) == 2
 
 
+@pytest.mark.slow  # runs and resumes over 8 host devices
 def test_a_resume_may_change_the_sharding(tmp_path):
   ck = tmp_path / "ck"
   full, mf = _run(tmp_path, "full", 4, "--set", "sharding=fsdp", "--steps", "8")

@@ -16,6 +16,8 @@ import pytest
 from conftest import ROOT, sexpgpu_cmd
 from s3server import free_port
 
+pytestmark = pytest.mark.slow  # two processes over gloo, stopped and resumed
+
 TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
 
 

@@ -13,6 +13,7 @@ from s3server import free_port, make_bucket, s3_env
 from test_fsdp_nodes import _args, _start, _stop_resume
 
 
+@pytest.mark.slow  # two processes over gloo, S3 on moto, stop and resume
 def test_hsdp_over_two_nodes_resumes_bitwise_from_s3(tmp_path, moto_endpoint):
   env = s3_env(make_bucket(moto_endpoint, "ckpts-resume"))
   whole, summaries, resumed = _stop_resume(tmp_path, "hsdp", "s3://ckpts-resume/runs",

@@ -84,6 +84,7 @@ def test_export_safetensors_keeps_every_path_and_the_metadata(trained, tmp_path)
   assert "jax" in json.loads(md["versions"])
 
 
+@pytest.mark.slow  # loads the export in transformers' Flax model
 def test_export_hf_loads_in_transformers_flax_with_equal_logits(trained, tmp_path):
   # greedy text against transformers' generate: tests/test_twins_torch.py (Flax's generate
   # compiles for a minute and says the same)
@@ -101,6 +102,7 @@ def test_export_hf_loads_in_transformers_flax_with_equal_logits(trained, tmp_pat
   assert np.abs(ours - theirs).max() < 1e-4
 
 
+@pytest.mark.slow  # transformers parity: a twin built and saved by transformers
 def test_a_gpt2_saved_by_transformers_imports_with_equal_logits(tmp_path):
   from transformers import FlaxGPT2LMHeadModel, GPT2Config
   from sexpgpu.models.source import checkpoint_params

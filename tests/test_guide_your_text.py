@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 
+import pytest
+
 from conftest import ROOT, sexpgpu_cmd
 
 CONFIG = os.path.join(ROOT, "configs", "shakespeare-char.sx")
@@ -18,6 +20,7 @@ def _ok(tmp, *argv):
   return r
 
 
+@pytest.mark.slow  # the guide's whole path as a newcomer runs it: five commands in subprocesses
 def test_one_book_by_characters_from_a_fresh_folder(tmp_path):
   book = tmp_path / "book.txt"
   shutil.copy(os.path.join(ROOT, "tests", "data", "corpus.txt"), book)

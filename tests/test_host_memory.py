@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import sexpgpu
 from conftest import ROOT
 from sexpgpu.run.loop import wants_kept_host_memory
@@ -42,6 +44,7 @@ def _faults(mode: str) -> dict:
   return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # steps measured page by page
 def test_steps_reuse_host_memory_instead_of_faulting_in_new_pages():
   plain, kept = _faults("plain"), _faults("kept")
   assert kept["kept"]

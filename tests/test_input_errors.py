@@ -202,6 +202,7 @@ def test_sweep_takes_status(tmp_path, capsys):
   assert code == 0, err
 
 
+@pytest.mark.slow  # a run in a subprocess
 def test_json_is_compact(capsys):
   code, out, err = cli(capsys, "run", TINY, "--variant", "smoke", "--steps", "1",
                        "--eval-every", "0", "--json")
@@ -211,6 +212,7 @@ def test_json_is_compact(capsys):
   assert json.loads(line)["steps"] == 1
 
 
+@pytest.mark.slow  # a bundle run in a subprocess
 def test_bundle_without_data_finds_it_beside_the_archive(tmp_path, capsys):
   sxb = tmp_path / "made" / "run.sxb"
   code, _, err = cli(capsys, "bundle", "configs/classifier.sx" if os.getcwd() == ROOT else
@@ -232,6 +234,7 @@ def test_bundle_without_data_finds_it_beside_the_archive(tmp_path, capsys):
 
 # --- pipes ---------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a run with its standard error closed, as a subprocess
 def test_closed_standard_error_is_no_crash(tmp_path):
   """`sexpgpu run ... 2>&1 | head -1`: the run goes on and ends `done`, checkpoint written."""
   status = tmp_path / "s.json"

@@ -39,6 +39,7 @@ def _segments(b, t, seed):
 
 # The kernels' numerics against the reference: forward and every gradient, causal and
 # not, with and without segment ids, f32 (within 2e-6) and bf16 (within 2e-2).
+@pytest.mark.slow  # interpreted Pallas forward and backward at every shape and dtype: ~20 s
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("packed", [False, True])
@@ -132,6 +133,7 @@ def flash_lowered_for_cuda():
   return out
 
 
+@pytest.mark.slow  # lowers the kernels for CUDA through Triton
 def test_flash_lowers_for_cuda_to_triton_forward_and_backward(flash_lowered_for_cuda):
   assert len(flash_lowered_for_cuda) == 16
   for key, (fwd, both) in flash_lowered_for_cuda.items():

@@ -242,6 +242,7 @@ def test_depth_does_not_grow_build_and_lowering_work():
 
 # ---- CLI and backends ----------------------------------------------------------
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_cli_check_prints_params_total():
   r = subprocess.run(sexpgpu_cmd("check", TINY, "--print", "params"), capture_output=True,
                      text=True, cwd=ROOT, timeout=300)
@@ -290,6 +291,7 @@ def test_verifier_rejects_a_node_whose_type_lies():
     verify(broken)
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_check_plans_for_the_devices_of_sexpgpu_devices():
   env = dict(os.environ, SEXPGPU_DEVICES="0,1")
   r = subprocess.run(sexpgpu_cmd("check", TINY, "--variant", "smoke", "--set", "microbatches=4",

@@ -58,6 +58,7 @@ def auto(tmp_path_factory):
   return json.loads(line[len("RESULT"):]), cache
 
 
+@pytest.mark.slow  # reads auto's runs over 4 host devices
 def test_auto_picks_a_layout_that_fits_and_says_why(auto):
   out, _ = auto
   first = out["first"]
@@ -75,6 +76,7 @@ def test_auto_picks_a_layout_that_fits_and_says_why(auto):
   assert text.count(", measured ") == min(4, len(first["timed"]))
 
 
+@pytest.mark.slow  # reads auto's runs over 4 host devices
 def test_choices_json_remembers_the_layout(auto):
   out, cache = auto
   assert out["again"]["sharding"] == out["first"]["sharding"]
@@ -84,6 +86,7 @@ def test_choices_json_remembers_the_layout(auto):
   assert [e["layout"] for e in entries] == [out["first"]["sharding"]]
 
 
+@pytest.mark.slow  # reads auto's runs over 4 host devices
 def test_a_run_with_auto_trains_on_the_remembered_layout(auto):
   """`--set sharding=auto` from the command line: the run's layout is the one choices.json
   remembers for this graph and these devices, and it trains."""
@@ -102,6 +105,7 @@ def test_a_run_with_auto_trains_on_the_remembered_layout(auto):
   assert " ranks 4 " in p.stderr and "done: 2 steps" in p.stderr
 
 
+@pytest.mark.slow  # reads auto's runs over 4 host devices
 def test_a_memory_limit_drops_the_layouts_that_do_not_fit(auto):
   out, _ = auto
   tight = out["tight"]

@@ -112,6 +112,7 @@ def runs(tmp_path_factory):
   return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 @pytest.mark.parametrize("layout", LAYOUTS + ("moe expert:4",))
 def test_a_layout_trains_as_replicate_and_bitwise_run_to_run(runs, layout):
   (rep,) = runs["losses"]["moe replicate" if "moe" in layout else "replicate"]
@@ -122,6 +123,7 @@ def test_a_layout_trains_as_replicate_and_bitwise_run_to_run(runs, layout):
   print(layout, "max |loss - replicate's|", float(np.max(np.abs(np.subtract(first, rep)))))
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_device_holds_its_share_of_each_split_parameter(runs, layout):
   sizes = dict((a, int(s)) for a, s in (x.split(":") for x in layout.split(",")))
@@ -143,6 +145,7 @@ def test_each_device_holds_its_share_of_each_split_parameter(runs, layout):
   assert checked >= 16  # params, and adam's two moments, of the split parameters
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_each_device_holds_a_quarter_of_the_expert_weights(runs):
   specs, rows = runs["specs"]["expert:4"], runs["shares"]["expert:4"]
   experts = [p for p in specs if "/moe-experts/" in p]
@@ -155,6 +158,7 @@ def test_each_device_holds_a_quarter_of_the_expert_weights(runs):
   assert all(shards == [whole // 4] * 4 for _, whole, shards in mine), mine
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_expert_parallel_sends_the_tokens_to_their_experts(runs):
   """The dispatch and the combine (and their gradients) are all-to-alls over `expert`; no
   device gathers an expert weight [4 32 64] (left to itself the partitioner did)."""
@@ -164,6 +168,7 @@ def test_expert_parallel_sends_the_tokens_to_their_experts(runs):
                                                                 "[4,64,32]" in t)], got
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_the_plan_lists_each_parameters_spec(runs):
   lines = runs["plan"]  # tensor:4's
   up = next(x for x in lines if "block/mlp/up/w" in x)
@@ -172,6 +177,7 @@ def test_the_plan_lists_each_parameters_spec(runs):
   assert norm.split()[-1] == "replicated", norm
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_a_scanned_repeat_trains_as_replicate_under_tensor_4(runs):
   """5 layers: past interp's UNROLL_MAX, so the blocks run in a lax.scan, its stacked
   weights split on `tensor` with the layer axis whole."""
@@ -184,6 +190,7 @@ def test_a_scanned_repeat_trains_as_replicate_under_tensor_4(runs):
   print("5 layers tensor:4 max |loss - replicate's|", gap)
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_a_resume_may_change_the_layout(runs):
   """tensor:4 for 4 steps, then fsdp:4 from its checkpoint: the uninterrupted tensor:4
   run's losses, within 1e-5 (the layouts sum in different orders)."""
@@ -195,6 +202,7 @@ def test_a_resume_may_change_the_layout(runs):
         float(np.max(np.abs(np.subtract(resumed, full)))))
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_the_step_sums_the_pairs_activations(runs):
   """Without sequence parallel, Megatron's all-reduces: of activations [ranks, batch, seq,
   width] (the ends of the attention and MLP pairs, forward and backward), and of the
@@ -205,6 +213,7 @@ def test_the_step_sums_the_pairs_activations(runs):
   assert not [t for t, kind in got if kind == "reduce-scatter"]
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_sequence_parallel_turns_the_pairs_all_reduces_into_reduce_scatters(runs):
   """tensor:4 (sequence parallel on): each pair's end reduce-scatters its sum onto a quarter
   of the sequence [4,4,4,32] and each pair's start all-gathers it [4,4,16,32], forward and
@@ -223,6 +232,7 @@ def test_sequence_parallel_turns_the_pairs_all_reduces_into_reduce_scatters(runs
   assert len(plain) >= 4, plain
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_no_weight_is_gathered_under_tensor_parallel(runs):
   """Only activations are gathered (the sequence before each pair), never a weight.
   (lower/step.py's _once_computed read leaf.ravel()[0]: XLA gathered every whole parameter
@@ -233,6 +243,7 @@ def test_no_weight_is_gathered_under_tensor_parallel(runs):
     assert gathers <= {"f32[4,4,16,32]"}, (name, gathers)
 
 
+@pytest.mark.slow  # reads the layouts' runs: one process training 17 runs over 4 host devices
 def test_the_plan_lists_the_collectives_with_their_bytes(runs):
   lines = runs["collective_lines"]["tensor:4"]
   kinds = {x.split()[2]: x.split() for x in lines}

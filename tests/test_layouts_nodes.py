@@ -19,6 +19,8 @@ from conftest import ROOT, sexpgpu_cmd
 from s3server import free_port
 from stopping import stop_at
 
+pytestmark = pytest.mark.slow  # two processes of two devices over gloo: seven pairs of runs
+
 TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
 MOE = os.path.join(ROOT, "configs", "moe-lm.sx")
 STOP = 4  # node 1 gets SIGTERM once node 0 has logged this step

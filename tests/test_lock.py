@@ -56,11 +56,13 @@ def _check_one_trained(results):
   assert json.loads(winner[1])["steps"] == 20
 
 
+@pytest.mark.slow  # two runs at once
 def test_two_runs_at_once_on_a_local_folder(tmp_path):
   _check_one_trained(_two_at_once(str(tmp_path / "ck")))
   assert not (tmp_path / "ck" / "faults" / "LOCK").exists()  # released at the end
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_two_runs_at_once_on_s3(moto):
   _check_one_trained(_two_at_once("s3://locks/both", env=_env(moto)))
 
@@ -87,6 +89,7 @@ def test_a_store_refuses_a_location_held_by_another_process(tmp_path):
   store.close()
 
 
+@pytest.mark.slow  # kill -9 then a second run (local and S3 on moto)
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_lock_left_by_kill_9_is_taken_over(tmp_path, moto, where):
   env = _env(moto) if where == "s3" else None

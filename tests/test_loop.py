@@ -85,6 +85,7 @@ def _assert_same(runs):
     assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(l1, l0))
 
 
+@pytest.mark.slow  # two runs with checkpoints, pipelined and plain
 def test_pipelined_loop_writes_what_the_plain_loop_writes(tmp_path):
   """Metrics, status and every checkpoint (arrays and loader positions), bitwise."""
   runs = _run_both(tmp_path, "ok", {"checkpoint-every": 3}, 12)
@@ -92,6 +93,7 @@ def test_pipelined_loop_writes_what_the_plain_loop_writes(tmp_path):
   _assert_same(runs)
 
 
+@pytest.mark.slow  # two runs, pipelined and plain, to a NaN
 def test_on_nan_stop_saves_the_same_last_finite_state_pipelined(tmp_path):
   runs = _run_both(tmp_path, "nan", {"lr": 1e30}, 6)
   assert runs[True][2] == "E-NUM-001"
@@ -114,6 +116,7 @@ def _waits(path):
   return [e["time/data-wait"] for e in steps], [e["time/step"] for e in steps]
 
 
+@pytest.mark.slow  # three runs timed against a slowed loader
 def test_the_loop_does_not_wait_on_a_loader_faster_than_the_step(monkeypatch, tmp_path):
   sets = {"width": 256, "seq": 64}
   exp = sexpgpu.compile(TINY, variant="smoke", set=sets)
@@ -134,6 +137,7 @@ def test_the_loop_does_not_wait_on_a_loader_faster_than_the_step(monkeypatch, tm
   assert got[True] < 0.35 * slept, (got, slept)  # the pipelined one hides them behind steps
 
 
+@pytest.mark.slow  # eight steps behind a loader slowed to 0.25 s a draw
 def test_goodput_leaves_out_the_waits_on_a_slow_loader(monkeypatch, tmp_path):
   """The plain loop waits on the loader between steps, outside any step's time: goodput is
   at most the steps' share of steps and waits together, on a machine of any speed."""
@@ -152,6 +156,7 @@ def test_goodput_leaves_out_the_waits_on_a_slow_loader(monkeypatch, tmp_path):
   assert json.load(open(tmp_path / "slow.json"))["goodput"] == slow.goodput
 
 
+@pytest.mark.slow  # a profiled run in a subprocess
 def test_profile_writes_a_trace_and_names_the_top_ops(tmp_path):
   prof = tmp_path / "prof"
   p = subprocess.run(sexpgpu_cmd("run", TINY, "--variant", "smoke", "--steps", "6",
@@ -201,6 +206,7 @@ def test_a_causal_attentions_products_count_half():
   assert node_flops(sdpa(False)) == full and node_flops(sdpa(True)) == full // 2
 
 
+@pytest.mark.slow  # runs to a NaN pass metric
 def test_a_pass_metric_that_is_not_finite_stops_the_run(tmp_path):
   """Every step finite, the evaluation not: the run must not end as if that were a result."""
   text = open(TINY).read().replace(

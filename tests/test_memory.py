@@ -96,6 +96,7 @@ def test_free_bytes_of():
   assert e.value.code == "E-ENV-001"
 
 
+@pytest.mark.slow  # compiles gpt2's smoke step to plan it
 def test_gpt2_smoke_refuses_at_64mib_before_any_initializer(monkeypatch):
   monkeypatch.setenv("SEXPGPU_MEMORY", "64MiB")
   before = {id(a) for a in jax.live_arrays()}
@@ -156,6 +157,7 @@ print(p.total, status("VmHWM:") - base)
 """
 
 
+@pytest.mark.slow  # gpt2 smoke's plan against a run's measured RSS
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_gpt2_smoke_plan_against_measured_rss(tmp_path):
   script = tmp_path / "rss.py"
@@ -381,6 +383,7 @@ def _copied_state():
   return [p for p in re.findall(r" copy\(%([^)]+)\)", entry) if p in params]
 
 
+@pytest.mark.slow  # compiles and measures steps
 def test_the_step_updates_the_optimizer_state_in_place(monkeypatch):
   # the moments' select waits for the new parameters, so XLA need not copy them first
   assert _copied_state() == []

@@ -77,6 +77,7 @@ def test_the_published_counts_are_transformers_own():
   assert sum(p.numel() for p in mixtral.parameters()) == MIXTRAL_8X7B
 
 
+@pytest.mark.slow  # trains mixtral-tiny and mamba-tiny
 @pytest.mark.parametrize("name", ["mixtral-tiny", "mamba-tiny"])
 def test_the_smoke_variant_trains(name, tmp_path):
   m = tmp_path / "m.jsonl"
@@ -91,6 +92,7 @@ def test_the_smoke_variant_trains(name, tmp_path):
   assert np.mean(steps[-5:]) < np.mean(steps[:5]), steps
 
 
+@pytest.mark.slow  # a benchmark at its tiny shape
 def test_bench_decode_mamba_tiny_smoke(tmp_path):
   import subprocess
   import sys

@@ -44,6 +44,7 @@ def mlm(tmp_path_factory):
   return tmp, _train("mlm", tmp, checkpoint_dir=str(tmp / "ck"))
 
 
+@pytest.mark.slow  # trains a model family's smoke variant
 def test_masked_lm_trains(mlm):
   _, (s, steps, passes, _) = mlm
   assert s.steps == 60 and [p["step"] for p in passes] == [0, 20, 40, 60]
@@ -52,6 +53,7 @@ def test_masked_lm_trains(mlm):
   assert passes[-1]["metrics"]["eval/accuracy"] > 3 / 32  # chance is 1/32
 
 
+@pytest.mark.slow  # trains a model family's smoke variant
 def test_masked_lm_is_the_same_twice(mlm, tmp_path):
   _, (s, steps, passes, _) = mlm
   s2, steps2, passes2, _ = _train("mlm", tmp_path, "again")
@@ -61,6 +63,7 @@ def test_masked_lm_is_the_same_twice(mlm, tmp_path):
   assert [p["metrics"] for p in passes2] == [p["metrics"] for p in passes]
 
 
+@pytest.mark.slow  # trains a model family's smoke variant
 def test_masked_lm_pass_draws_the_same_masks_each_time(mlm):
   tmp, (s, _, passes, _) = mlm
   exp = sexpgpu.compile(os.path.join(CONFIGS, "mlm.sx"), variant="smoke")
@@ -86,6 +89,7 @@ def test_shipped_images_are_what_the_script_writes():
   assert np.bincount(made["y"]).tolist() == [300, 300, 300, 300]
 
 
+@pytest.mark.slow  # trains a model family's smoke variant
 def test_cnn_trains_past_chance(tmp_path):
   s, steps, passes, _ = _train("cnn", tmp_path)
   assert s.steps == 60 and [p["step"] for p in passes] == [0, 20, 40, 60]
@@ -94,6 +98,7 @@ def test_cnn_trains_past_chance(tmp_path):
 
 
 # --- the mixture of experts ----------------------------------------------------------------
+@pytest.mark.slow  # trains a model family's smoke variant
 def test_moe_lm_trains_and_reports_its_auxiliary_losses(tmp_path):
   s, steps, passes, events = _train("moe-lm", tmp_path,
                                     diagnostics="train-balance,train-z-loss")
@@ -176,6 +181,7 @@ def test_moe_routing_equals_a_reference_with_capacity():
 
 
 # --- the gated linear recurrence -----------------------------------------------------------
+@pytest.mark.slow  # trains a model family's smoke variant
 def test_ssm_lm_trains(tmp_path):
   s, steps, passes, _ = _train("ssm-lm", tmp_path)
   assert s.steps == 60

@@ -91,6 +91,7 @@ def test_llama_config_is_read_from_the_model():
               40, 32, 64, 2, 4, 2, 8, 48, 1e-5, 500000.0, False)
 
 
+@pytest.mark.slow  # loads the export in transformers' Flax model
 def test_export_hf_loads_in_transformers_flax_with_equal_logits(trained, tmp_path):
   # greedy text against transformers' generate: tests/test_twins_torch.py (Flax's generate
   # compiles for a minute and says the same)
@@ -181,6 +182,7 @@ def test_import_names_every_difference_of_a_llama_folder(tmp_path, capsys):
   assert "self_attn.k_proj" in err  # the tensors of another shape, both sides
 
 
+@pytest.mark.slow  # runs warm-started from an imported Llama
 def test_warm_start_from_a_llama_folder_and_its_e_init_001(tmp_path, capsys):
   from sexpgpu.models.source import checkpoint_params
   _, hf = _flax_llama(tmp_path)

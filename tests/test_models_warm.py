@@ -98,6 +98,7 @@ def test_e_init_001_lists_missing_extra_and_mismatched_with_both_sides(source, t
   assert "lm/gpt2/ln_f/bias: i32[16] there, f32[16] here" in str(e.value)
 
 
+@pytest.mark.slow  # runs warm-started
 def test_the_run_refuses_before_any_initializer_and_init_partial_fills_in(source, capfd):
   path, params, step_dir, st, hf, tmp = source
   with pytest.raises(SxError) as e:

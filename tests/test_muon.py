@@ -122,6 +122,7 @@ def test_the_stack_is_not_orthogonalised_as_one_matrix(gpt2):
   assert np.abs(whole.reshape(w.shape) - updates[path]).max() > 1e-3
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_experts_are_a_batch_of_matrices_each_orthogonalised(mixtral):
   graph = mixtral.stages[0].graph
   experts = [p for p, r in matrices(graph).items() if len(mixtral.params[p].full_shape) == 4]
@@ -175,6 +176,7 @@ def _losses(path):
   return [e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"]
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_a_gpt2_trains_under_muon(tmp_path):
   sx = tmp_path / "muon.sx"
   sx.write_text(source(steps=12))
@@ -186,6 +188,7 @@ def test_a_gpt2_trains_under_muon(tmp_path):
   assert len(losses) == 12 and losses[-1] < losses[0] - 0.3, losses
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_a_gpt2_trains_under_muon_and_fsdp_over_2_host_devices(tmp_path):
   sx = tmp_path / "muon.sx"
   sx.write_text(source(steps=12))

@@ -73,6 +73,7 @@ def _start(tmp_path, n, ranks, fingerprints, timeout="20", bad_hash=0):
   return out
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_two_nodes_agree(tmp_path):
   res = _start(tmp_path, 2, [0, 1], ["abc", "abc"])
   for rc, out, err in res:
@@ -81,6 +82,7 @@ def test_two_nodes_agree(tmp_path):
     assert "[Gloo]" not in err, err
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_mismatching_fingerprint_is_e_dp_006_on_every_node(tmp_path):
   res = _start(tmp_path, 2, [0, 1], ["abc", "xyz"])
   assert [r[0] for r in res] == [1, 1], res
@@ -89,12 +91,14 @@ def test_mismatching_fingerprint_is_e_dp_006_on_every_node(tmp_path):
   assert "error[E-DP-006]" in res[1][2]
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_disagreeing_checkpoint_hash_is_e_dp_004(tmp_path):
   res = _start(tmp_path, 2, [0, 1], ["abc", "abc"], bad_hash=1)
   assert [r[0] for r in res] == [1, 1], res
   assert all("error[E-DP-004]" in r[2] for r in res)
 
 
+@pytest.mark.slow  # a process waits for its absent peer
 @pytest.mark.parametrize("present", [0, 1])
 def test_absent_node_is_e_dp_007_exit_1(tmp_path, present):
   t = time.monotonic()

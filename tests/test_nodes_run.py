@@ -69,6 +69,7 @@ def one_process_two_devices(tmp_path_factory):
   return json.loads(p.stdout), _losses(m)
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_two_nodes_f32_train_bitwise_as_one_node_of_two(one_process_two_devices, tmp_path):
   summary, losses = one_process_two_devices
   (p0, out0, err0), (p1, out1, err1) = _two_nodes(tmp_path)
@@ -83,6 +84,7 @@ def test_two_nodes_f32_train_bitwise_as_one_node_of_two(one_process_two_devices,
     assert s0[key] == summary[key] == s1[key]
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_two_nodes_bf16_within_tolerance_of_f32(one_process_two_devices, tmp_path):
   summary, losses = one_process_two_devices
   (p0, out0, err0), (p1, _, err1) = _two_nodes(tmp_path, gradients="bf16")
@@ -100,6 +102,7 @@ def test_cpu_nodes_need_gloo_e_dp_005(tmp_path):
   assert p.returncode == 1 and "error[E-DP-005]" in p.stderr
 
 
+@pytest.mark.slow  # two processes over gloo
 @pytest.mark.parametrize("other,said", [
     (("--set", "lr=0.5"), "experiment"),
     # outside the fingerprint (a resume may change it), yet the nodes must share it
@@ -114,6 +117,7 @@ def test_a_node_with_another_experiment_is_e_dp_006(tmp_path, other, said):
   assert "node 1" in results[0][2]
 
 
+@pytest.mark.slow  # a process waits for its absent peer
 def test_an_absent_node_is_e_dp_007(tmp_path):
   t = time.time()
   p = _start(tmp_path, 0, free_port(), ARGS, extra_env={"SEXPGPU_RENDEZVOUS_TIMEOUT": "3"})
@@ -122,6 +126,7 @@ def test_an_absent_node_is_e_dp_007(tmp_path):
   assert time.time() - t < 60
 
 
+@pytest.mark.slow  # two processes over gloo, stopped and resumed
 def test_sigterm_on_one_node_stops_both_then_both_resume(one_process_two_devices, tmp_path):
   summary, losses = one_process_two_devices
   ck = tmp_path / "ck"
@@ -159,6 +164,7 @@ def _annotation(path, name):
           and e["name"] == name][-1]
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_two_nodes_stacked_below_their_share_train_bitwise_as_one_node(tmp_path):
   """Four microbatches, two a rank, one a call: each rank sums its own, combined once."""
   args = ARGS + ("--set", "microbatches=4")
@@ -176,6 +182,7 @@ def test_two_nodes_stacked_below_their_share_train_bitwise_as_one_node(tmp_path)
   assert json.loads(out0)["eval"] == json.loads(p.stdout)["eval"] == json.loads(out1)["eval"]
 
 
+@pytest.mark.slow  # two processes over gloo
 def test_two_nodes_choose_one_stacking_without_measuring(tmp_path):
   (p0, _, err0), (p1, _, err1) = _two_nodes(tmp_path, ARGS + ("--set", "microbatches=4"))
   assert p0.returncode == 0 and p1.returncode == 0, err0 + err1
@@ -238,8 +245,8 @@ def _kill_at(procs, tmp, victim, when):
 # each node killed once and each moment met once: a peer (node 1) dies during a step, the
 # coordinator (node 0) during a checkpoint; the other two pairings ran here until the suite
 # outgrew its 20 minutes
-@pytest.mark.parametrize("victim,when", [(1, "step"),
-                                         pytest.param(0, "checkpoint", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two processes over gloo, one killed, both resumed
+@pytest.mark.parametrize("victim,when", [(1, "step"), (0, "checkpoint")])
 def test_a_node_killed_ends_the_survivor_with_e_dp_007_then_both_resume(
     two_nodes_uninterrupted, tmp_path, victim, when):
   """kill -9 of one node, mid-step or in a checkpoint's write: the other exits 1 with

@@ -18,6 +18,7 @@ def _text(cell) -> str:
   return "".join(out)
 
 
+@pytest.mark.slow  # a notebook kernel runs the notebook
 def test_tiny_lm_notebook_runs():
   nb = nbformat.read(os.path.join(ROOT, "examples", "tiny-lm.ipynb"), as_version=4)
   client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",

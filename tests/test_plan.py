@@ -19,6 +19,7 @@ def _annotations(path, name):
           and e["name"] == name]
 
 
+@pytest.mark.slow  # compiles gpt2's smoke step to plan it
 def test_64mib_refuses_gpt2_smoke_before_any_initializer(monkeypatch, tmp_path):
   import sexpgpu.run.training as training
   concrete = []
@@ -43,6 +44,7 @@ def test_64mib_refuses_gpt2_smoke_before_any_initializer(monkeypatch, tmp_path):
   assert json.load(open(status))["state"] == "failed"
 
 
+@pytest.mark.slow  # compiles gpt2's smoke step to plan it
 def test_64mib_refusal_from_the_command_line(tmp_path):
   env = dict(os.environ, SEXPGPU_MEMORY="64MiB")
   p = subprocess.run(sexpgpu_cmd("run", GPT, "--variant", "smoke", "--steps", "2"), cwd=ROOT,
@@ -68,6 +70,7 @@ def test_fixed_stacking(tmp_path):
   assert st["how"] == "fixed" and st["degree"] == 2 and st["text"] == "2: SEXPGPU_STACKING"
 
 
+@pytest.mark.slow  # three runs as subprocesses
 def test_only_one_fits(tmp_path):
   st, _ = _run(tmp_path, "all")
   plans = {int(d): t for d, t in st["plans"].items()}
@@ -93,6 +96,7 @@ def test_cost_model_chooses_when_predictions_differ(tmp_path):
     assert st["text"].startswith(f"{st['degree']}: the cost model (")
 
 
+@pytest.mark.slow  # three runs as subprocesses
 def test_measured_when_close_then_remembered(monkeypatch, tmp_path):
   import sexpgpu.run.plan as plan
   monkeypatch.setattr(plan, "predict", lambda *a, **k: 0.001)  # a tie: measure
@@ -114,6 +118,7 @@ def test_measured_when_close_then_remembered(monkeypatch, tmp_path):
   assert second.train_loss == first.train_loss  # the same degree, the same sums
 
 
+@pytest.mark.slow  # three runs as subprocesses
 def test_remembered_choices_are_kept_apart_by_rank_count(tmp_path):
   """A degree chosen for one device's share of the microbatches is not another count's."""
   env = dict(os.environ, SEXPGPU_CACHE_DIR=str(tmp_path / "cache"))

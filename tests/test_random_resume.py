@@ -7,8 +7,12 @@ import random
 import signal
 import subprocess
 
+import pytest
+
 from conftest import ROOT, sexpgpu_cmd
 from stopping import stop_at
+
+pytestmark = pytest.mark.slow  # kill and resume at a random step
 
 EXP = os.path.join(ROOT, "configs", "mlm.sx")
 ARGS = ("--variant", "smoke", "--steps", "12", "--set", "batch-size=8", "--set", "seq=16",

@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from conftest import BENCH_XLA_FLAGS, ROOT, sexpgpu_cmd
 
 # the parts of a line that depend on the machine: seconds, and the timing lines' counts
@@ -31,6 +33,7 @@ def _readme_run() -> tuple[str, list[str]]:
   return lines[0][2:], lines[1:]
 
 
+@pytest.mark.slow  # README's run compiled as a user's, without the suite's fast-compile flag
 def test_readmes_run_is_what_the_run_prints():
   command, shown = _readme_run()
   assert command == "sexpgpu run configs/tiny-lm.sx"  # README's first command's run

@@ -61,6 +61,7 @@ def _stop_at(tmp, k, sig):
   return stop_at(start, k, sig)
 
 
+@pytest.mark.slow  # stopped by a signal, resumed: three runs a case
 @pytest.mark.parametrize("k,sig,code", [(2, signal.SIGTERM, 143), (12, signal.SIGINT, 130),
                                         (30, signal.SIGHUP, 129)])
 def test_signal_then_resume_is_bitwise(full, tmp_path, k, sig, code):
@@ -88,12 +89,23 @@ def test_signal_then_resume_is_bitwise(full, tmp_path, k, sig, code):
   assert meta["stage"] == full_summary["stage"] == 1
 
 
-def test_resume_latest_without_location_is_e_ckpt_001(tmp_path):
-  r = subprocess.run(sexpgpu_cmd("run", EXP, "--resume", "latest"), cwd=ROOT,
-                     capture_output=True, text=True, timeout=300)
-  assert r.returncode == 1 and "error[E-CKPT-001]" in r.stderr
+def _cli(capsys, *args):
+  """`sexpgpu ARGS` in this process (an error before the first step needs no process of its
+  own): (exit code, standard error)."""
+  from sexpgpu.cli.main import main
+  code = main(list(args))
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  return code, err
 
 
+def test_resume_latest_without_location_is_e_ckpt_001(capsys, monkeypatch):
+  monkeypatch.delenv("SEXPGPU_CHECKPOINT_DIR", raising=False)
+  code, err = _cli(capsys, "run", EXP, "--resume", "latest")
+  assert code == 1 and "error[E-CKPT-001]" in err
+
+
+@pytest.mark.slow  # reads the full 60-step run
 def test_resume_of_another_experiment_is_e_ckpt_002(full, tmp_path):
   full_tmp, full_summary = full
   r = subprocess.run(sexpgpu_cmd("run", EXP, "--set", "lr=0.02", "--resume",
@@ -103,24 +115,23 @@ def test_resume_of_another_experiment_is_e_ckpt_002(full, tmp_path):
   assert "lr 0.01 → 0.02" in r.stderr
 
 
-def test_unreadable_checkpoint_is_e_ckpt_003(tmp_path):
+def test_unreadable_checkpoint_is_e_ckpt_003(tmp_path, capsys):
   bad = tmp_path / "curriculum" / "5"
   bad.mkdir(parents=True)
   (bad / "garbage").write_text("no checkpoint here")
-  r = subprocess.run(sexpgpu_cmd("run", EXP, "--resume", str(bad)), cwd=ROOT, capture_output=True,
-                     text=True, timeout=300)
-  assert r.returncode == 1 and "error[E-CKPT-003]" in r.stderr, r.stderr
+  code, err = _cli(capsys, "run", EXP, "--resume", str(bad))
+  assert code == 1 and "error[E-CKPT-003]" in err, err
 
 
-def test_unwritable_location_is_e_ckpt_004_before_the_first_step(tmp_path):
+def test_unwritable_location_is_e_ckpt_004_before_the_first_step(tmp_path, capsys):
   f = tmp_path / "file.txt"
   f.write_text("x")
-  r = subprocess.run(sexpgpu_cmd("run", EXP, "--checkpoint-dir", str(f / "sub")), cwd=ROOT,
-                     capture_output=True, text=True, timeout=300)
-  assert r.returncode == 1 and "error[E-CKPT-004]" in r.stderr, r.stderr
-  assert "step 0/" not in r.stderr
+  code, err = _cli(capsys, "run", EXP, "--checkpoint-dir", str(f / "sub"))
+  assert code == 1 and "error[E-CKPT-004]" in err, err
+  assert "step 0/" not in err
 
 
+@pytest.mark.slow  # reads the full 60-step run
 def test_rank_count_differs_is_e_dp_002(full, tmp_path):
   import shutil
   full_tmp, full_summary = full
@@ -149,6 +160,7 @@ def _ckpt_tmp_dirs(run_dir):
   return [d for d in os.listdir(run_dir) if "tmp" in d]
 
 
+@pytest.mark.slow  # kill -9 and resume
 def test_kill_9_during_a_checkpoint_write_then_resume_latest(tmp_path):
   args = ["--set", "width=384", "--set", "checkpoint-every=3", "--steps", "30", "--eval-every",
           "0", "--json"]
@@ -178,6 +190,7 @@ def test_kill_9_during_a_checkpoint_write_then_resume_latest(tmp_path):
     assert a[key] == b[key]
 
 
+@pytest.mark.slow  # a stopped run
 def test_a_second_signal_during_the_final_checkpoint_keeps_it_whole(tmp_path):
   ck = tmp_path / "ck"
   m = tmp_path / "m.jsonl"
@@ -211,6 +224,7 @@ def test_a_second_signal_during_the_final_checkpoint_keeps_it_whole(tmp_path):
   assert read_meta(step_dir)["step"] == json.loads(out)["steps"]
 
 
+@pytest.mark.slow  # runs and resumes
 def test_resume_from_an_older_step_says_its_later_steps_are_replaced(tmp_path):
   """A rollback (--resume of an older step folder of the run's own location) says which
   later steps its saves replace; --resume latest says nothing of the kind."""

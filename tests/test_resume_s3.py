@@ -8,12 +8,13 @@ import sys
 import time
 
 import pytest
-import s3fs
 
 from stopping import stop_at
 from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.ckpt import remote
 from s3server import KillableProxy, make_bucket, s3_env
+
+pytestmark = pytest.mark.slow  # S3 on a moto server: kill, stop and resume
 
 EXP = os.path.join(ROOT, "tests", "data", "curriculum.sx")
 SECRET = "sexpgpuTestSecretKey0123456789"
@@ -143,6 +144,7 @@ def test_kill_9_during_an_upload_then_resume_latest(moto, tmp_path):
                                    "--metrics", f"jsonl:{m}"),
                        cwd=ROOT, env=_env(moto, staging), stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
+  import s3fs  # here, not at collection: every worker collects this module
   fs = s3fs.S3FileSystem(key="testing", secret=SECRET, client_kwargs={"endpoint_url": moto})
   run_dir = "s3://runs/killed/curriculum-checkpoint-every=3-width=384"
   deadline = time.time() + 300

@@ -15,6 +15,8 @@ from conftest import ROOT, sexpgpu_cmd
 from faultproxy import OutageProxy
 from s3server import make_bucket, s3_env
 
+pytestmark = pytest.mark.slow  # S3 on moto through a proxy that blips: runs and a resume
+
 EXP = os.path.join(ROOT, "tests", "data", "faults.sx")
 STEPS = "steps=60"
 SLUG = "faults-steps=60"

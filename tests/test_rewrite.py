@@ -77,6 +77,7 @@ def tiny():
     return compile_file(os.path.join(ROOT, "configs/tiny-lm.sx"))
 
 
+@pytest.mark.slow  # traces std's attention blocks
 def test_attention_fires_on_std_attention(tiny):
   g0, g1, regions = rewritten(tiny)
   attn = [r for r in regions if r.kind == "attention"]
@@ -170,6 +171,7 @@ def experiment(attn: str, vocab: int = 32, mask: str = ""):
   return compile_source(text, "variant.sx", base_dir=ROOT)
 
 
+@pytest.mark.slow  # traces std's attention blocks
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_attention_fires_on_hand_written_variants(name):
   g0, g1, regions = rewritten(experiment(VARIANTS[name]))
@@ -231,6 +233,7 @@ def _max_intermediate(fn, params) -> int:
   return best
 
 
+@pytest.mark.slow  # traces a large-vocabulary loss
 @pytest.mark.parametrize("mask", ["", ":mask (> (slice t -1 1 nil) 3)"])
 def test_large_vocab_loss_becomes_chunked(mask):
   c = experiment(VARIANTS["no-heads"], vocab=300, mask=mask)

@@ -98,18 +98,21 @@ def test_done_block_and_overrides():
   assert done[2:] == ["  counter records 24", "  counter tokens 408"]
 
 
-def test_determinism_two_runs_bitwise(tmp_path):
-  losses = []
-  for i in range(2):
-    m = tmp_path / f"m{i}.jsonl"
-    p = _run("configs/tiny-lm.sx", "--variant", "smoke", "--steps", "5", "--metrics",
-             f"jsonl:{m}")
-    assert p.returncode == 0, p.stderr
-    losses.append([json.loads(line)["train/loss"] for line in m.read_text().splitlines()
-                   if json.loads(line)["kind"] == "step"])
-  assert losses[0] == losses[1]
+def _step_losses(metrics):
+  return [e["train/loss"] for e in map(json.loads, metrics.read_text().splitlines())
+          if e["kind"] == "step"]
 
 
+def test_determinism_two_runs_bitwise(tiny, tmp_path):
+  """The module's run again, in a fresh process: every step's loss bitwise the same."""
+  first, m = tiny[1], tmp_path / "m.jsonl"
+  p = _run("configs/tiny-lm.sx", "--metrics", f"jsonl:{m}", "--json")
+  assert p.returncode == 0, p.stderr
+  assert len(_step_losses(first)) == 20
+  assert _step_losses(m) == _step_losses(first)
+
+
+@pytest.mark.slow  # two runs as subprocesses
 def test_slug_from_selection_and_variable(tmp_path):
   m = tmp_path / "m.jsonl"
   p = _run("configs/tiny-lm.sx", "--variant", "smoke", "--set", "lr=3e-3", "--steps", "1",
@@ -138,6 +141,7 @@ def test_longer_run_approaches_the_entropy_rate_check_prints():
   assert rate - 0.1 < final < rate + 0.3, (final, rate)
 
 
+@pytest.mark.slow  # a run read back through tensorboard and mlflow
 def test_tensorboard_and_mlflow_targets_read_back(tmp_path):
   tb, ml = tmp_path / "tb", tmp_path / "ml.db"
   p = _run("configs/tiny-lm.sx", "--variant", "smoke", "--steps", "4", "--eval-every", "2",

@@ -102,6 +102,7 @@ def _state(seed):
   return {"w": rng.standard_normal((8, 4)).astype(np.float32), "pos": np.int64(seed)}
 
 
+@pytest.mark.slow  # runs with checkpoints
 def test_a_real_run_prunes_only_the_step_folders_it_wrote(tmp_path):
   ck = tmp_path / "ck"
   exp = sexpgpu.compile(TINY, variant="smoke", set={"checkpoint-every": 2, "keep": 2})
@@ -180,6 +181,7 @@ def test_an_empty_run_folder_is_still_latest_none(tmp_path):
   assert resolve_resume("latest", str(tmp_path / "ck"), "run") == (None, "latest=none")
 
 
+@pytest.mark.slow  # runs with checkpoints
 def test_a_run_whose_manifests_are_gone_does_not_start_over(tmp_path, capsys):
   ck = tmp_path / "ck"
   exp = sexpgpu.compile(TINY, variant="smoke")

@@ -162,6 +162,7 @@ def _noisy_params(c):
           for i, (k, v) in enumerate(sorted(init_params(2, c.params).items()))}
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_incremental_decode_equals_the_full_forward_and_its_greedy_tokens():
   import jax
   import jax.numpy as jnp
@@ -246,6 +247,7 @@ def _losses(path):
   return [e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"]
 
 
+@pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
 def test_defsample_writes_sample_events_and_leaves_the_losses_bitwise(tmp_path, capsys,
                                                                       monkeypatch):
   monkeypatch.setenv("COLUMNS", "24")  # the continuation is cut to the terminal's width

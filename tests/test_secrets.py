@@ -214,6 +214,7 @@ def test_a_checkpoints_scrubbed_knobs_are_no_difference_from_the_live_values():
   assert e.value.code == "E-CKPT-002" and "knobs differ: lr 0.1 → 0.2)" in e.value.message
 
 
+@pytest.mark.slow  # a run with the W&B target
 def test_a_wandb_run_keeps_the_command_line_scrubbed(tmp_path, monkeypatch):
   """W&B stores the command line (sys.argv) in its run's files: it gets it scrubbed."""
   pytest.importorskip("wandb")
@@ -241,6 +242,7 @@ def test_a_wandb_run_keeps_the_command_line_scrubbed(tmp_path, monkeypatch):
 
 # -- (d) a SEXPGPU_DEBUG=1 traceback is scrubbed --------------------------------------------------
 
+@pytest.mark.slow  # a failing run with its debug traceback
 def test_a_debug_traceback_shows_no_credential_of_its_causes(tmp_path, monkeypatch, capsys):
   """MLflow's own exception quotes the tracking URI whole; the traceback that
   SEXPGPU_DEBUG=1 adds to the error prints it, scrubbed."""
@@ -270,6 +272,7 @@ def test_traceback_text_is_the_scrubbed_traceback():
 
 # -- everything a run writes ----------------------------------------------------------------------
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_a_run_with_credentials_planted_everywhere_writes_none_of_them(s3_bucket, tmp_path,
                                                                        monkeypatch, capsys):
   """A real run on the S3 server on 127.0.0.1, its checkpoints under s3://, with a credential

@@ -132,6 +132,7 @@ def test_a_stop_without_a_location_says_nothing_was_checkpointed(monkeypatch, tm
       "stopped: SIGTERM at step 2; no checkpoint location: nothing saved")
 
 
+@pytest.mark.slow  # S3 on the session's moto server
 def test_a_stop_on_s3_names_the_remote_step_folder(monkeypatch, tmp_path, capsys, s3_bucket):
   bucket, fs = s3_bucket
   s = _stop_in_the_loop(monkeypatch, tmp_path, f"s3://{bucket}/runs", at_step=2)

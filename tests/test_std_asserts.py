@@ -71,6 +71,7 @@ def test_transformer_lm_refuses_a_keyword_at_the_users_call(keyword, value, mess
   assert dict(err.notes)["checked at"].startswith("std/lm.sx:")
 
 
+@pytest.mark.slow  # builds gpt2 twice
 def test_gpt2_refuses_a_non_boolean_qk_norm_and_a_zero_eps():
   text = GPT2.replace(":remat true))", ":remat true :qk-norm 1))")
   err = _error(text, "smoke")

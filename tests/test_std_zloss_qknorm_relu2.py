@@ -163,6 +163,7 @@ RECIPE = """
 """
 
 
+@pytest.mark.slow  # a run with every recipe keyword
 def test_qk_norm_relu2_and_z_loss_train_and_the_z_loss_is_a_metric(tmp_path):
   sx, m = tmp_path / "recipe.sx", tmp_path / "m.jsonl"
   sx.write_text(RECIPE)

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import ROOT, sexpgpu_cmd
 
 EXP = os.path.join(ROOT, "configs", "tiny-lm.sx")
@@ -26,6 +28,7 @@ def _sweep(tmp, *extra, **kw):
                           cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.slow  # a 2x2 grid of runs stopped and resumed
 def test_sweep_stopped_then_resumed(tmp_path):
   p = _sweep(tmp_path)
   first = tmp_path / "sw" / "tiny-lm-smoke-checkpoint-every=5-lr=0.01-width=32.jsonl"
@@ -90,11 +93,21 @@ def test_sweep_stopped_then_resumed(tmp_path):
   assert sizes == {f: os.path.getsize(tmp_path / "sw" / f) for f in os.listdir(tmp_path / "sw")}
 
 
-def test_emit_skypilot(tmp_path):
-  r = subprocess.run(sexpgpu_cmd("sweep", EXP, *GRID, "--checkpoint-dir", "s3://bucket/ck",
-                                 "--emit", "skypilot", str(tmp_path / "tasks")),
-                     cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert r.returncode == 0, r.stderr
+def _cli(capsys, *args):
+  """`sexpgpu ARGS` in this process (emitting tasks or refusing a grid starts no run):
+  (exit code, standard error)."""
+  from sexpgpu.cli.main import main
+  capsys.readouterr()
+  code = main(list(args))
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  return code, err
+
+
+def test_emit_skypilot(tmp_path, capsys):
+  code, err = _cli(capsys, "sweep", EXP, *GRID, "--checkpoint-dir", "s3://bucket/ck",
+                   "--emit", "skypilot", str(tmp_path / "tasks"))
+  assert code == 0, err
   files = sorted(os.listdir(tmp_path / "tasks"))
   assert len(files) == 4 and all(f.endswith(".yaml") for f in files)
   assert not os.path.exists(os.path.join(ROOT, "sweep", files[0][:-5] + ".status.json"))
@@ -117,14 +130,13 @@ def test_emit_skypilot(tmp_path):
     assert "--trust-python" not in run  # not asked: the task trusts nothing more than here
 
 
-def test_emitted_tasks_carry_the_sweeps_trust_in_python(tmp_path):
+def test_emitted_tasks_carry_the_sweeps_trust_in_python(tmp_path, capsys, monkeypatch):
   """SEXPGPU_TRUST_PYTHON=1 (or --trust-python) on the sweep reaches each task's run line:
   the task's machine has no variable of this shell's."""
-  env = {**os.environ, "SEXPGPU_TRUST_PYTHON": "1"}
-  r = subprocess.run(sexpgpu_cmd("sweep", EXP, "--set", "lr=1e-3,2e-3", "--emit", "skypilot",
-                                 str(tmp_path / "tasks")),
-                     cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
-  assert r.returncode == 0, r.stderr
+  monkeypatch.setenv("SEXPGPU_TRUST_PYTHON", "1")
+  code, err = _cli(capsys, "sweep", EXP, "--set", "lr=1e-3,2e-3", "--emit", "skypilot",
+                   str(tmp_path / "tasks"))
+  assert code == 0, err
   files = sorted(os.listdir(tmp_path / "tasks"))
   assert len(files) == 2
   for f in files:
@@ -132,9 +144,8 @@ def test_emitted_tasks_carry_the_sweeps_trust_in_python(tmp_path):
     assert "--trust-python --json" in run
 
 
-def test_bad_grid_is_refused_before_anything_runs(tmp_path):
-  r = subprocess.run(sexpgpu_cmd("sweep", EXP, "--set", "nope=1,2", "--status-dir",
-                                 str(tmp_path / "sw")), cwd=tmp_path, capture_output=True,
-                     text=True, timeout=120)
-  assert r.returncode == 1 and "error[E-KNOB-001]" in r.stderr
+def test_bad_grid_is_refused_before_anything_runs(tmp_path, capsys):
+  code, err = _cli(capsys, "sweep", EXP, "--set", "nope=1,2", "--status-dir",
+                   str(tmp_path / "sw"))
+  assert code == 1 and "error[E-KNOB-001]" in err
   assert not (tmp_path / "sw").exists()

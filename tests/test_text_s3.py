@@ -12,6 +12,8 @@ from sexpgpu.data.spec import LoaderSpec
 from sexpgpu.errors import SxError
 from sexpgpu.tools.tokenize import Options, tokenize
 
+pytestmark = pytest.mark.slow  # S3 on the session's moto server
+
 try:
   from tests.s3server import bucket_fs
 except ImportError:

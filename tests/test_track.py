@@ -156,6 +156,7 @@ def _client(uri):
   return MlflowClient(tracking_uri=uri)
 
 
+@pytest.mark.slow  # runs read back through mlflow's sqlite store
 def test_mlflow_sqlite_one_experiment_per_slug(tmp_path):
   pytest.importorskip("sqlalchemy")
   uri = f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}"
@@ -234,6 +235,7 @@ def test_first_target_when_no_jsonl(tmp_path):
   m.close()
 
 
+@pytest.mark.slow  # a run in a subprocess with every target
 def test_nothing_else_on_stderr(tmp_path):
   pytest.importorskip("sqlalchemy")
   spec = (f"jsonl:{tmp_path / 'r.jsonl'},tensorboard:{tmp_path / 'tb'},"

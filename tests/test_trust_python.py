@@ -226,6 +226,7 @@ def test_the_api_runs_its_own_folder_and_refuses_outside(lab):
   assert pyops.policy().mode == pyops.OWN  # the block's policy ended with it
 
 
+@pytest.mark.slow  # a sweep's runs
 def test_a_sweep_passes_the_opt_in_to_its_points(lab, capsys):
   """A sweep's points are `sexpgpu run` processes: without the opt-in each point is refused
   as run refuses it; with it they run, and the variable is put back after."""

@@ -10,18 +10,33 @@ transformers' `load_balancing_loss_func` on the same router logits; Mamba decode
 a step with a state that does not grow, its logits those of the full forward.
 """
 
+import importlib
 import os
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import sexpgpu
 from sexpgpu.cli.main import main
 from sexpgpu.models import forward, sample
 from sexpgpu.models.source import checkpoint_params
 from sexpgpu.run.compile import compile_file
+
+pytestmark = pytest.mark.slow  # PyTorch parity: transformers' twins on torch's CPU build
+
+
+class _OnFirstUse:
+  """A module imported at its first attribute, not at collection: torch and transformers
+  take 4 to 7 s of each xdist worker's start, and the not-slow tier runs none of this."""
+
+  def __init__(self, name):
+    self._name = name
+
+  def __getattr__(self, attr):
+    return getattr(importlib.import_module(self._name), attr)
+
+
+torch, transformers = _OnFirstUse("torch"), _OnFirstUse("transformers")
 
 HEAD = """(require std/lm)
 (require std/{kind})

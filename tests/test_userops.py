@@ -63,6 +63,7 @@ def test_a_python_op_compiles_into_the_graph_with_its_shape(exp_dir):
   assert "f32[4,8,16] = my-mixer" in out.stdout, out.stdout
 
 
+@pytest.mark.slow  # a run in a subprocess
 def test_a_python_op_trains_and_its_file_is_in_the_fingerprint(exp_dir, tmp_path):
   fp = compile_file(str(exp_dir / "exp.sx")).fingerprint
   out = subprocess.run(sexpgpu_cmd("run", str(exp_dir / "exp.sx"), "--json"),
@@ -74,6 +75,7 @@ def test_a_python_op_trains_and_its_file_is_in_the_fingerprint(exp_dir, tmp_path
   assert compile_file(str(exp_dir / "exp.sx")).fingerprint != fp
 
 
+@pytest.mark.slow  # a bundle run elsewhere in a subprocess
 def test_a_bundle_carries_the_python_file_and_runs_elsewhere(exp_dir, tmp_path):
   bundle = tmp_path / "run.sxb"
   out = subprocess.run(sexpgpu_cmd("bundle", str(exp_dir / "exp.sx"), "-o", str(bundle),
@@ -177,6 +179,7 @@ def test_an_exit_while_the_step_is_lowered_is_an_error_at_the_sx_call(exp_dir, c
   assert "exp.sx:10:" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # a run in a subprocess
 def test_a_process_whose_ops_file_exits_0_exits_1_and_says_why(exp_dir, tmp_path):
   (exp_dir / "my_ops.py").write_text("import sys\nsys.exit(0)\n")
   out = subprocess.run(sexpgpu_cmd("run", str(exp_dir / "exp.sx")), capture_output=True,

@@ -150,6 +150,7 @@ def sessions(tmp_path_factory):
           "records": [_records(r) for r in runs]}
 
 
+@pytest.mark.slow  # reads a run and its resume through the CLI, W&B offline
 def test_wandb_prints_nothing_of_its_own(sessions):
   for p in sessions["procs"]:
     lines = p.stderr.splitlines()
@@ -161,6 +162,7 @@ def test_wandb_prints_nothing_of_its_own(sessions):
     assert p.stdout == ""
 
 
+@pytest.mark.slow  # reads a run and its resume through the CLI, W&B offline
 def test_every_scalar_is_in_the_history_at_its_step(sessions):
   """Each step, pass and checkpoint scalar of the jsonl stream, at its step, with its value;
   the first session's steps in the first folder, the resumed session's in the second."""
@@ -177,6 +179,7 @@ def test_every_scalar_is_in_the_history_at_its_step(sessions):
   assert sorted(s for s, row in first.items() if "eval/loss" in row) == [0, 2, 4]
 
 
+@pytest.mark.slow  # reads a run and its resume through the CLI, W&B offline
 def test_the_config_holds_the_knobs_and_their_sources(sessions):
   cfg_event = _events(sessions["jsonl"], "config")[0]
   config = _config(sessions["records"][0])
@@ -189,6 +192,7 @@ def test_the_config_holds_the_knobs_and_their_sources(sessions):
   assert _config(sessions["records"][1])["sexpgpu"]["resume"].startswith("latest=")
 
 
+@pytest.mark.slow  # reads a run and its resume through the CLI, W&B offline
 def test_samples_and_annotations_are_tables(sessions):
   run_dir, records = sessions["runs"][0], sessions["records"][0]
   samples = [[e["step"], e["name"], e["prompt"], e["text"]]
@@ -200,6 +204,7 @@ def test_samples_and_annotations_are_tables(sessions):
   assert [n for n in notes if n[1] == "checkpoint"][0][0] == 4
 
 
+@pytest.mark.slow  # reads a run and its resume through the CLI, W&B offline
 def test_a_resume_continues_the_same_run_id(sessions):
   first, second = sessions["records"]
   ids = [_one(r, "run")["run_id"] for r in (first, second)]
@@ -216,6 +221,7 @@ def test_a_resume_continues_the_same_run_id(sessions):
 # -- the target on its own ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a run stopped by a signal
 def test_a_stopped_session_finishes_with_the_signal_exit_code(offline):
   """A session stopped by SIGTERM: exit code 143 as the CLI's; eval events as scalars at
   their step; a checkpoint written after later steps goes at the latest step; RUN names it."""
