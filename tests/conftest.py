@@ -1,6 +1,7 @@
 """Shared test setup: a private cache dir so tests never touch the user's."""
 
 import os
+import signal
 import sys
 
 import pytest
@@ -18,6 +19,16 @@ BENCH_XLA_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                            if f != FAST_COMPILE)
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (BENCH_XLA_FLAGS + " " + FAST_COMPILE).strip()
+
+
+# A suite started under `nohup`, or as a background job of a script, inherits SIGHUP or
+# SIGINT ignored; a run honours an ignored signal (as `nohup sexpgpu run` asks), so the tests
+# that stop runs with them would wait for a stop that never comes. The suite undoes that for
+# itself and the runs it starts (an ignored disposition is what a child inherits).
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+  signal.signal(signal.SIGHUP, signal.SIG_DFL)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="session")

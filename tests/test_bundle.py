@@ -9,7 +9,9 @@ import zipfile
 import pytest
 
 from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.cli.main import main
 from sexpgpu.errors import SxError
+from sexpgpu.run.compile import compile_file
 from sexpgpu.tools.bundle import open_bundle, read_manifest
 
 SEL = ["--variant", "smoke", "--set", "lr=0.01", "--set", "steps=10"]
@@ -237,3 +239,51 @@ def test_check_of_a_bundle_names_the_bundle_not_its_extracted_copy(char_bundle, 
   assert main(["check", str(path)]) == 0
   first = capsys.readouterr().out.splitlines()[0]
   assert first.startswith(f"check: {path} slug {original['slug']} fingerprint "), first
+
+
+# -- bundles with a text loader --------------------------------------------------------------
+
+TEXT_EXP = """
+(require std/nn)
+(require std/lm)
+(defloader train (text "cache" :seq 9 :batch 2 :pack docs))
+(defn loss [batch]
+  (let [t (get batch :tokens)]
+    (next-token-loss (transformer-lm (lm-inputs t) :vocab 300 :width 16 :layers 1 :heads 2) t)))
+(defrun :loss loss :data train :steps 1 :optimizer (adamw :lr 0.01) :seed 3)
+"""
+
+
+@pytest.fixture(scope="module")
+def text_exp(tmp_path_factory):
+  from sexpgpu.tools.tokenize import Options, tokenize
+  folder = tmp_path_factory.mktemp("textbundle")
+  corpus = open(os.path.join(ROOT, "tests", "data", "corpus.txt"), encoding="utf-8").read()
+  paras = [p for p in corpus.split("\n\n") if p.strip()] * 3
+  (folder / "docs.jsonl").write_text("\n".join(json.dumps({"text": p}) for p in paras) + "\n")
+  tokenize(Options((str(folder / "docs.jsonl"),), str(folder / "cache"), train_bpe=300),
+           progress=False)
+  (folder / "text.sx").write_text(TEXT_EXP)
+  return folder
+
+
+def test_a_bundle_with_data_carries_a_text_loaders_cache(text_exp, tmp_path, monkeypatch):
+  from sexpgpu.tools.bundle import make_bundle, open_bundle, read_manifest
+  out = str(tmp_path / "t.sxb")
+  make_bundle(str(text_exp / "text.sx"), out, with_data=True)
+  files = read_manifest(out)["files"]
+  cache = sorted(os.path.relpath(os.path.join(r, n), text_exp).replace(os.sep, "/")
+                 for r, _, ns in os.walk(text_exp / "cache") for n in ns)
+  assert "cache/manifest.json" in cache and "cache/tokenizer.json" in cache
+  assert sorted(f for f in files if f.startswith("cache/")) == cache
+  assert all(files[f]["kind"] == "data" for f in cache)
+  assert read_manifest(out)["data_not_bundled"] == []
+  monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cachedir"))
+  exp, _, _ = open_bundle(out)
+  assert compile_file(exp).loaders["train"].records > 0  # the cache read from the bundle
+
+
+def test_a_bundle_without_data_names_the_cache_it_left_out(text_exp, tmp_path, capsys):
+  out = str(tmp_path / "t.sxb")
+  assert main(["bundle", str(text_exp / "text.sx"), "-o", out]) == 0
+  assert "loader train: cache not bundled (add --with-data)" in capsys.readouterr().err

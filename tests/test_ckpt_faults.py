@@ -16,6 +16,7 @@ from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.ckpt import CheckpointStore, resolve_resume, restore_checkpoint
 from sexpgpu.ckpt.manifest import MANIFEST
 from sexpgpu.errors import SxError
+from test_flag_values import _cli
 
 EXP = os.path.join(ROOT, "tests", "data", "faults.sx")
 INTERNALS = ("<bound method", "pybind11", "TensorStore(", "tensorstore_spec", "Traceback")
@@ -241,3 +242,86 @@ def test_a_metrics_write_that_fails_is_taken_back(tmp_path):
     t.write({"kind": "step", "step": 1})
   assert "No space left on device" in str(e.value)
   t.close()
+
+
+# --- a run without --resume into a location holding its slug --------------------------------
+
+FAULTS = os.path.join(ROOT, "tests", "data", "faults.sx")  # checkpoints every 4 steps
+
+
+def _files(folder):
+  return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow  # runs and checkpoints in subprocesses
+def test_a_run_without_resume_into_its_own_checkpoints_is_refused_touching_nothing(
+    tmp_path, capsys):
+  ck = tmp_path / "ck"
+  code, _, err = _cli(capsys, "run", FAULTS, "--steps", "8", "--checkpoint-dir", str(ck))
+  assert code == 0, err
+  before = _files(ck / "faults")
+  code, _, err = _cli(capsys, "run", FAULTS, "--steps", "8", "--checkpoint-dir", str(ck))
+  assert code == 1 and "error[E-CKPT-006]" in err
+  assert (f"{ck}/faults already holds run faults's checkpoints (steps 4, 8), and this run "
+          "does not resume") in err
+  assert (f"= fix: --resume latest continues from step 8; to start over, give another "
+          f"--checkpoint-dir or SEXPGPU_RUN_SLUG, or remove {ck}/faults") in err
+  assert "step 0" not in err and _files(ck / "faults") == before  # nothing rewritten
+  # what the fix says works: the run continues, and another slug starts beside it
+  code, _, err = _cli(capsys, "run", FAULTS, "--steps", "12", "--checkpoint-dir", str(ck),
+                      "--resume", "latest")
+  assert code == 0 and "resume latest=" in err
+  code, _, err = _cli(capsys, "run", FAULTS, "--steps", "4", "--checkpoint-dir", str(ck),
+                      "--set", "width=8")
+  assert code == 0, err
+  assert sorted(p.name for p in ck.iterdir()) == ["faults", "faults-width=8"]
+
+
+# --- a full disk's partial step folder goes with the run that hit it -------------------------
+
+@pytest.mark.slow  # runs and checkpoints in subprocesses
+def test_a_full_disk_leaves_no_partial_step_and_keeps_the_good_one(tmp_path):
+  """The checkpoint folder is a 300 KiB tmpfs: step 4 fits, step 8 does not (as
+  tests/test_ckpt_faults.py's full disk). The failed save's folder is gone when the run
+  exits; step 4 is as it was written."""
+  import subprocess
+
+  from conftest import sexpgpu_cmd
+  from sexpgpu.ckpt import manifest
+  disk, kept = tmp_path / "disk", tmp_path / "kept"
+  disk.mkdir()
+  probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs "
+                          f"{disk}"], capture_output=True, timeout=30)
+  if probe.returncode != 0:
+    pytest.skip("no mount namespace for a small tmpfs (needs root and unshare)")
+  cmd = " ".join(f"'{a}'" for a in sexpgpu_cmd("run", FAULTS, "--checkpoint-dir", str(disk)))
+  script = (f"mount -t tmpfs -o size=300k tmpfs {disk} && {{ {cmd}; echo $? > {tmp_path / 'rc'}; "
+            f"cp -a {disk} {kept}; }}")
+  r = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True,
+                     text=True, timeout=300)
+  assert (tmp_path / "rc").read_text().strip() == "1", r.stderr
+  assert "error[E-CKPT-004]" in r.stderr and "the device is full" in r.stderr
+  assert sorted(os.listdir(kept / "faults")) == ["4"]
+  assert manifest.problem(str(kept / "faults" / "4")) is None
+
+
+def test_a_failed_saves_leftovers_go_and_nothing_else(tmp_path):
+  """What manifest.drop_partial removes: the failed step's tmp, partial and uncounted
+  folders; never a complete step, another step's, or a folder with the user's files."""
+  from sexpgpu.ckpt import manifest
+  run = tmp_path / "run"
+  for name, files in {"4": ["commit_success.txt", manifest.MANIFEST, "state/x"],
+                      "8.orbax-checkpoint-tmp": ["state.orbax-checkpoint-tmp/x"],
+                      "8.partial": ["state/x"], "8": ["state/x", "_CHECKPOINT_METADATA"],
+                      "12.orbax-checkpoint-tmp": ["state.orbax-checkpoint-tmp/x"],
+                      "80": ["state/x"], "notes": ["8.txt"]}.items():
+    for f in files:
+      (run / name / f).parent.mkdir(parents=True, exist_ok=True)
+      (run / name / f).write_text("x")
+  removed = manifest.drop_partial(str(run), 8, (".orbax-checkpoint-tmp",), (".partial",))
+  assert removed == ["8", "8.orbax-checkpoint-tmp", "8.partial"]
+  assert sorted(os.listdir(run)) == ["12.orbax-checkpoint-tmp", "4", "80", "notes"]
+  (run / "8").mkdir()
+  (run / "8" / "mine.txt").write_text("the user's")
+  assert manifest.drop_partial(str(run), 8, (".orbax-checkpoint-tmp",), (".partial",)) == []

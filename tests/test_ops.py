@@ -317,3 +317,28 @@ def test_gradients_under_jit_equal_the_eager_ones(expr):
   jitted = jax.jit(jax.grad(f, argnums=tuple(range(len(xs)))))(*xs)
   for a, b in zip(eager, jitted):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+# --- cross-entropy over a mask with no true position ---------------------------------------
+
+def test_cross_entropy_over_an_all_false_mask_is_nan_chunked_or_not():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from sexpgpu.ir.ops import OPS, LowerCtx
+  from sexpgpu.lower.registry import lowering
+  ctx = LowerCtx()
+  rng = np.random.default_rng(0)
+  h = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 40)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 40, (2, 5)), jnp.int32)
+  none = jnp.zeros((2, 5), bool)
+  plain = OPS["cross-entropy"].lower(ctx, OPS["matmul"].lower(ctx, h, w), y, none)
+  chunked = jax.jit(lambda h, w: lowering("chunked-cross-entropy", "cpu")(
+      ctx, h, w, y, none, chunks=3))(h, w)
+  assert np.isnan(float(plain)) and np.isnan(float(chunked))
+  one = none.at[0, 0].set(True)  # one true position: its own loss, chunked as not
+  a = OPS["cross-entropy"].lower(ctx, OPS["matmul"].lower(ctx, h, w), y, one)
+  b = lowering("chunked-cross-entropy", "cpu")(ctx, h, w, y, one, chunks=3)
+  np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+  assert np.isfinite(float(a))

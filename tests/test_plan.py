@@ -9,6 +9,9 @@ import pytest
 
 import sexpgpu
 from conftest import ROOT, sexpgpu_cmd
+from sexpgpu.errors import SxError
+from test_flag_values import _cli
+from test_std_namespace import CONFIGS
 
 GPT = os.path.join(ROOT, "configs", "gpt2-small.sx")
 TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
@@ -136,3 +139,40 @@ def test_remembered_choices_are_kept_apart_by_rank_count(tmp_path):
   assert notes[1]["how"] != "remembered"
   keys = sorted(json.load(open(tmp_path / "cache" / "choices.json")))
   assert len(keys) == 2 and keys[0].endswith("|cpu:cpu") and keys[1].endswith("|cpu:cpu x2")
+
+
+# --- a fixed stacking degree ---------------------------------------------------------------
+
+def test_a_stacking_degree_that_does_not_divide_is_e_env_001_before_any_compile(
+    capsys, monkeypatch, tmp_path):
+  monkeypatch.setenv("SEXPGPU_STACKING", "3")
+  monkeypatch.chdir(tmp_path)
+  code, out, err = _cli(capsys, "run", os.path.join(CONFIGS, "tiny-lm.sx"), "--steps", "2",
+                        "--metrics", f"jsonl:{tmp_path / 'm.jsonl'}")
+  assert code == 1
+  assert ("error[E-ENV-001]: SEXPGPU_STACKING=3 does not divide the 2 microbatches each rank "
+          "runs in a step\n  --> SEXPGPU_STACKING\n   = fix: unset it (auto), or use a divisor: "
+          "SEXPGPU_STACKING=2, SEXPGPU_STACKING=1\n") in err
+
+
+def test_check_refuses_the_stacking_degree_that_run_refuses(capsys, monkeypatch, tmp_path):
+  monkeypatch.setenv("SEXPGPU_STACKING", "3")
+  for argv in (("check",), ("check", "--print", "plan")):
+    code, out, err = _cli(capsys, *argv, os.path.join(CONFIGS, "tiny-lm.sx"))
+    assert code == 1, argv
+    assert "error[E-ENV-001]: SEXPGPU_STACKING=3 does not divide the 2 microbatches" in err
+  monkeypatch.setenv("SEXPGPU_STACKING", "2")
+  code, out, err = _cli(capsys, "check", os.path.join(CONFIGS, "tiny-lm.sx"))
+  assert code == 0, err
+
+
+def test_check_fixed_names_every_divisor():
+  from sexpgpu.run.plan import check_fixed
+  check_fixed(3, 6)
+  with pytest.raises(SxError) as e:
+    check_fixed(4, 6)
+  assert e.value.fix.endswith("SEXPGPU_STACKING=6, SEXPGPU_STACKING=3, SEXPGPU_STACKING=2, "
+                              "SEXPGPU_STACKING=1")
+  with pytest.raises(SxError) as e:
+    check_fixed(2, 1)
+  assert "the 1 microbatch each rank" in e.value.message

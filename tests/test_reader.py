@@ -4,6 +4,7 @@ import pytest
 
 from sexpgpu.errors import SxError
 from sexpgpu.reader import Atom, Keyword, List, Symbol, Vector, read_text
+from test_std_namespace import _compile_error, _config
 
 
 def read_err(text, name="t.sx"):
@@ -240,3 +241,52 @@ def test_bad_token_render():
 def test_wide_line_numbers_pad_the_gutter():
   e = read_err("\n" * 11 + "(a))")
   assert e.render().splitlines()[2:5] == ["   |", "12 | (a))", "   |    ^"]
+
+
+# --- long source lines in an error ---------------------------------------------------------
+
+def _caret_under(rendered: str) -> tuple[str, str]:
+  """The quoted source line and the text its caret marks."""
+  lines = rendered.split("\n")
+  i = next(i for i, l in enumerate(lines) if l.strip().startswith("|") and "^" in l)
+  src, caret = lines[i - 1], lines[i]
+  src_text = src.split(" | ", 1)[1]
+  marks = caret.split("| ", 1)[1]
+  start = len(marks) - len(marks.lstrip(" "))
+  return src_text, src_text[start:start + len(marks.strip())]
+
+
+def test_a_long_line_is_cut_around_the_column_and_the_caret_stays_on_the_name():
+  filler = " ".join(["(+ 1 2)"] * 60)
+  text = _config("tiny-lm.sx", "(next-token-loss (lm (lm-inputs t)) t)",
+                 f"(do {filler} (next-token-los (lm (lm-inputs t)) t) {filler})")
+  err = _compile_error(text)
+  src, marked = _caret_under(str(err))
+  assert marked == "next-token-los"
+  assert src.startswith("...") and src.endswith("...") and len(src) == 106
+  assert err.location.col > 400  # the column is still the true one
+
+
+def test_the_start_and_end_of_a_long_line_are_cut_on_one_side_only():
+  from sexpgpu.errors import Loc, register_source
+  line = "(def a " + "1" * 300 + ") ; " + "x" * 200
+  register_source("long.sx", line + "\r\n")
+  first = SxError("E-FORM-001", "m", location=Loc("long.sx", 1, 2, 1, 5))
+  src, marked = _caret_under(str(first))
+  assert marked == "def" and src == line[:100] + "..."
+  last = SxError("E-FORM-001", "m", location=Loc("long.sx", 1, len(line) - 9))
+  src, marked = _caret_under(str(last))
+  assert src == "..." + line[-100:] and marked == "x" * 10
+  short = SxError("E-FORM-001", "m", location=Loc("long.sx", 1, 8, 1, 11))
+  assert "1 | " + line[:100] + "...\n" in str(short)
+
+
+# --- a keyword given twice ------------------------------------------------------------------
+
+def test_a_keyword_given_twice_is_e_form_001_naming_both_places():
+  err = _compile_error(_config("tiny-lm.sx", "(defrun :loss loss", "(defrun :seed 3 :loss loss"))
+  assert err.code == "E-FORM-001"
+  assert err.message == "keyword :seed is given twice (first at exp.sx:26:9)"
+  assert str(err.location) == "exp.sx:28:24" and err.fix == "keep one :seed"
+  err = _compile_error(_config("tiny-lm.sx", ":batch 4 :seed 7))", ":batch 4 :batch 8 :seed 7))"))
+  assert err.code == "E-FORM-001" and "keyword :batch is given twice" in err.message

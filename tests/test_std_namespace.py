@@ -115,3 +115,66 @@ def test_calling_a_user_knob_named_like_a_std_function_names_the_qualified_one()
   assert e.value.message == ("`block` here is your knob, not a function: in your files your "
                              "own `block` hides std/lm.sx's, which is `lm/block`")
   assert e.value.fix == "call (lm/block ...), or rename the knob"
+
+
+# --- which require brings a name -----------------------------------------------------------
+
+def test_the_standard_library_names_the_require_that_brings_a_name():
+  from sexpgpu.lang.program import std_libraries_of
+  assert std_libraries_of("gpt2") == ["std/gpt2"] and std_libraries_of("llama") == ["std/llama"]
+  assert std_libraries_of("transformer-lm") == ["std/lm"]
+  assert std_libraries_of("get") == [] and std_libraries_of("no-such-name") == []
+
+
+# --- names the standard library defines ----------------------------------------------------
+
+def _config(name: str, old: str | None = None, new: str = "") -> str:
+  text = open(os.path.join(CONFIGS, name), encoding="utf-8").read()
+  if old is not None:
+    assert old in text
+    text = text.replace(old, new)
+  return text
+
+
+def _compile_error(text: str) -> SxError:
+  with pytest.raises(SxError) as e:
+    compile_source(text, "exp.sx", base_dir=CONFIGS)
+  return e.value
+
+
+def test_a_std_function_without_its_require_names_the_require():
+  err = _compile_error(_config("gpt2-small.sx", "(require std/gpt2)", ""))
+  assert err.code == "E-NAME-001" and err.message == "`gpt2` is not defined"
+  assert err.fix == "(require std/gpt2) brings `gpt2`"
+  assert "did you mean" not in str(err)
+
+
+def test_a_name_no_library_defines_keeps_did_you_mean():
+  text = _config("tiny-lm.sx", "(next-token-loss (lm", "(next-token-los (lm")
+  err = _compile_error(text)
+  assert err.code == "E-NAME-001" and err.fix.startswith("did you mean `next-token-loss`")
+
+
+def test_a_knob_named_like_a_primitive_std_calls_leaves_std_alone():
+  # the standard library has its own namespace: std/moe's (top-k ...) is still the primitive
+  text = _config("moe-lm.sx", '(defknob experts-per-token 2', '(defknob top-k 2')
+  text = text.replace(":k experts-per-token", ":k top-k")
+  compile_source(text, "exp.sx", base_dir=CONFIGS)
+
+
+def test_a_def_named_like_a_primitive_is_e_name_002_at_the_call():
+  text = _config("tiny-lm.sx", "(defn lm [tokens]", "(def matmul 3)\n(defn lm [tokens]")
+  text = text.replace("(next-token-loss (lm (lm-inputs t)) t)",
+                      "(next-token-loss (lm (lm-inputs t)) (matmul t t))")
+  err = _compile_error(text)
+  assert err.code == "E-NAME-002" and "the def `matmul` hides the primitive" in err.message
+  assert str(err.location) == "exp.sx:23:42"  # the user's call: std's own calls see no def
+
+
+def test_a_knob_named_like_an_uncalled_primitive_and_a_local_binding_still_compile():
+  # ssm-lm's knob `expand` is never called; a let's local `max` is the user's own business
+  compile_source(_config("ssm-lm.sx"), "exp.sx", base_dir=CONFIGS)
+  text = _config("tiny-lm.sx", "(let [t (get batch :tokens)]", "(let [t (get batch :tokens) max 3]")
+  text = text.replace("(next-token-loss (lm (lm-inputs t)) t)", "(max (lm (lm-inputs t)) t)")
+  err = _compile_error(text)
+  assert err.code == "E-TYPE-001" and "`max` is not a function" in err.message

@@ -139,24 +139,3 @@ def test_longer_run_approaches_the_entropy_rate_check_prints():
   assert p.returncode == 0, p.stderr
   final = json.loads(p.stdout)["eval"]["eval/loss"]
   assert rate - 0.1 < final < rate + 0.3, (final, rate)
-
-
-@pytest.mark.slow  # a run read back through tensorboard and mlflow
-def test_tensorboard_and_mlflow_targets_read_back(tmp_path):
-  tb, ml = tmp_path / "tb", tmp_path / "ml.db"
-  p = _run("configs/tiny-lm.sx", "--variant", "smoke", "--steps", "4", "--eval-every", "2",
-           "--metrics", f"tensorboard:{tb},mlflow:sqlite:///{ml}")
-  assert p.returncode == 0, p.stderr
-  assert "WARNING" not in p.stderr and "Traceback" not in p.stderr
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-  acc = EventAccumulator(str(tb / "tiny-lm-smoke"))
-  acc.Reload()
-  assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
-  assert [e.step for e in acc.Scalars("eval/loss")] == [0, 2, 4]
-  import mlflow
-  client = mlflow.tracking.MlflowClient(f"sqlite:///{ml}")
-  exp = client.get_experiment_by_name("tiny-lm-smoke")
-  run = client.search_runs([exp.experiment_id])[0]
-  assert run.info.status == "FINISHED"
-  assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4]
-  assert run.data.params["layers"] == "1"
