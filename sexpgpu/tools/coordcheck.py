@@ -113,7 +113,10 @@ def _with_parametrization(program, name: str, base: int | None):
   items += [Atom(loc, Keyword("parametrization")), Atom(loc, Symbol(name))]
   if name == "mup":
     items += [Atom(loc, Keyword("base-width")), Atom(loc, int(base))]
-  return dataclasses.replace(program, run=dataclasses.replace(program.run, items=tuple(items)))
+  run = dataclasses.replace(program.run, items=tuple(items))
+  # the evaluator reads each top-level form from `forms` (defrun among them), `run` is the same
+  return dataclasses.replace(program, run=run, forms=[
+      run if f is program.run else f for f in program.forms])
 
 
 def _file_base(program) -> int | None:
