@@ -196,7 +196,8 @@ _TOP = (
             "[:temperature 0] [:top-k 0] [:top-p 1] [:seed 0])",
             "continuations of the prompts while training, as `sample` events and a "
             "progress line; F maps tokens [b t] to logits [b t vocab]; prompts are "
-            "text with a text loader's tokenizer, else token ids (\"3 1 4\")",
+            "text with a text loader's tokenizer (UTF-8 for a bytes loader's model), else "
+            "token ids (\"3 1 4\")",
             (("fn", _k("fn", True)), ("prompts", _k("strings", True)), ("tokens", _i(32, 1)),
              ("every", _i(None, 1, required=True)), ("temperature", _f(0.0, 0.0)),
              ("top-k", _i(0)), ("top-p", _f(1.0, 0.0, 1.0)), ("seed", _i(0))),
