@@ -12,8 +12,7 @@ from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
 from sexpgpu.front import optimizers, pyops, tuning
 from sexpgpu.front import asserts  # noqa: F401  (registers assert and its predicates)
-from sexpgpu.front.keywords import (keys as _keys, loader_name as _loader_name, need as _need,
-                                    static as _static, value as _value)
+from sexpgpu.front import keywords as kw
 from sexpgpu.front.namespaces import std_namespaces
 from sexpgpu.front.prims import BUILTINS, DTYPE_VALUES
 from sexpgpu.front.values import Closure, Env, ParamRef, Spec
@@ -260,7 +259,7 @@ def _defparam(top: TopLevel, form: List, env: Env) -> ParamRef:
     raise SxError("E-FORM-001", f"defparam {name} needs a shape", location=form.loc,
                   fix=f"(defparam {name} [vocab width] :init (normal 0.02))")
   shape = static_shape(b.eval(form.items[2], env), form.items[2])
-  kws = _keys(form, 3)
+  kws = kw.keys(form, 3)
   init = as_init(b.eval(kws["init"], env), kws["init"]) if "init" in kws else as_init(
       BUILTINS["zeros"], form)
   dtype = str(b.eval(kws["dtype"], env)) if "dtype" in kws else FORMS["defparam"].key(
@@ -286,7 +285,7 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
                   + "kinds: " + " ".join(LOADER_KINDS))
   pos, kws, locs = split_keywords(spec, 1, LOADER_KINDS[kind], f"loader kind {kind}")
   args = {k: (_field_names(f) if k == "fields" else _symbol_name(f) if k in NAME_KEYWORDS
-              else _static(b, f, env, f"loader {name} :{k}"))
+              else kw.static(b, f, env, f"loader {name} :{k}"))
           for k, f in kws.items()}
   if kind == "mix":
     comps = []
@@ -294,7 +293,7 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
       if not (isinstance(p, List) and len(p.items) == 2):
         raise SxError("E-FORM-001", "mix takes (WEIGHT LOADER) pairs", location=p.loc,
                       fix="(mix (0.7 web) (0.3 books))")
-      w = _static(b, p.items[0], env, "a mix weight")
+      w = kw.static(b, p.items[0], env, "a mix weight")
       sub = p.items[1]
       if isinstance(sub, Atom) and isinstance(sub.value, Symbol):
         sub_decl = known.get(str(sub.value))
@@ -309,7 +308,7 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
     if len(pos) != 1:
       raise SxError("E-FORM-001", f"loader {name}: {kind} takes one file path",
                     location=spec.loc, fix=f'({kind} "data.bin" ...)')
-    path = _static(b, pos[0], env, "a file path")
+    path = kw.static(b, pos[0], env, "a file path")
     if not isinstance(path, str) or isinstance(path, Symbol):
       raise SxError("E-TYPE-001", f"loader {name}: the file is a string", location=pos[0].loc,
                     fix=f'({kind} "data.bin" ...)')
@@ -345,11 +344,11 @@ def _field_names(form: Form) -> list[str]:
 
 @reads("defpass")
 def _pass(top: TopLevel, form: List, env: Env) -> PassDecl:
-  b, name, kws = top.b, str(form.items[1].value), _keys(form)
-  _need(form, kws)
-  data = _loader_name(kws["data"], top.of("defloader"))
-  every = _value(top.b, form, kws, "every", env)
-  batches = _value(top.b, form, kws, "batches", env)
+  b, name, kws = top.b, str(form.items[1].value), kw.keys(form)
+  kw.need(form, kws)
+  data = kw.loader_name(kws["data"], top.of("defloader"))
+  every = kw.value(top.b, form, kws, "every", env)
+  batches = kw.value(top.b, form, kws, "batches", env)
   if batches > MAX_PASS_BATCHES:
     raise SxError("E-TYPE-001", f"defpass {name}: :batches {batches} is past the most a pass "
                   f"reads, {MAX_PASS_BATCHES} (its batch index is an int32)",
@@ -371,11 +370,11 @@ def _pass(top: TopLevel, form: List, env: Env) -> PassDecl:
 
 @reads("defgenerate")
 def _generate(top: TopLevel, form: List, env: Env) -> GenerateDecl:
-  kws = _keys(form)
+  kws = kw.keys(form)
   name, fn = _model_pass(top, form, env, kws,
                          "name a defn of no arguments that returns what it generates")
-  every = _value(top.b, form, kws, "every", env)
-  seed = _value(top.b, form, kws, "seed", env)
+  every = kw.value(top.b, form, kws, "every", env)
+  seed = kw.value(top.b, form, kws, "seed", env)
   return GenerateDecl(name, fn.name, every, seed, form.loc)
 
 
@@ -384,7 +383,7 @@ def _model_pass(top: TopLevel, form: List, env: Env, kws: dict, fn_fix: str
   """A defsample's, defeval's or defgenerate's name and :fn (a named defn), each keyword its
   declaration requires among its `kws` (else its declared example as the fix)."""
   name, kind = str(form.items[1].value), head_symbol(form)
-  _need(form, kws)
+  kw.need(form, kws)
   fn = top.b.eval(kws["fn"], env)
   if not isinstance(fn, Closure) or fn.name is None:
     raise SxError("E-TYPE-001", f"{kind} {name} :fn `{kws['fn']}` is not a function",
@@ -394,16 +393,16 @@ def _model_pass(top: TopLevel, form: List, env: Env, kws: dict, fn_fix: str
 
 @reads("defsample")
 def _sample(top: TopLevel, form: List, env: Env) -> SampleDecl:
-  b, kws = top.b, _keys(form)
+  b, kws = top.b, kw.keys(form)
   name, fn = _model_pass(top, form, env, kws, "name a defn of tokens [b t] that returns logits")
-  prompts = _static(b, kws["prompts"], env, ":prompts")
+  prompts = kw.static(b, kws["prompts"], env, ":prompts")
   if (not isinstance(prompts, tuple) or not prompts
       or not all(isinstance(p, str) and p.strip() for p in prompts)):
     raise SxError("E-TYPE-001", f"defsample {name} :prompts must be a vector of non-empty "
                   f"strings; found {describe(prompts)}", location=kws["prompts"].loc,
                   fix=':prompts ["Once upon" "The"] (token ids as "3 1 4" without a tokenizer)')
   tokens, every, temperature, top_k, top_p, seed = (
-      _value(top.b, form, kws, k, env)
+      kw.value(top.b, form, kws, k, env)
       for k in ("tokens", "every", "temperature", "top-k", "top-p", "seed"))
   return SampleDecl(name, fn.name, tuple(prompts), tokens, every, temperature, top_k, top_p,
                     seed, form.loc)
@@ -411,13 +410,13 @@ def _sample(top: TopLevel, form: List, env: Env) -> SampleDecl:
 
 @reads("defeval")
 def _eval(top: TopLevel, form: List, env: Env) -> EvalDecl:
-  b, base_dir, kws = top.b, top.program.base_dir, _keys(form)
+  b, base_dir, kws = top.b, top.program.base_dir, kw.keys(form)
   name, fn = _model_pass(
       top, form, env, kws,
       "name a defn of tokens [b t] that returns logits (with :segments and :positions "
       "keywords its requests are packed)")
   tasks_form = kws["tasks"]
-  paths = _static(b, tasks_form, env, ":tasks")
+  paths = kw.static(b, tasks_form, env, ":tasks")
   if (not isinstance(paths, tuple) or not paths
       or not all(isinstance(p, str) and p.strip() for p in paths)):
     raise SxError("E-TYPE-001", f"defeval {name} :tasks must be a vector of .jsonl paths; "
@@ -426,10 +425,10 @@ def _eval(top: TopLevel, form: List, env: Env) -> EvalDecl:
   items = tasks_form.items if isinstance(tasks_form, Vector) else [tasks_form] * len(paths)
   tasks = tuple((os.path.join(base_dir, p), getattr(f, "loc", tasks_form.loc))
                 for p, f in zip(paths, items))
-  every, batch, limit = (_value(top.b, form, kws, k, env) for k in ("every", "batch", "limit"))
+  every, batch, limit = (kw.value(top.b, form, kws, k, env) for k in ("every", "batch", "limit"))
   tokenizer = None
   if "tokenizer" in kws:
-    tokenizer = _static(b, kws["tokenizer"], env, ":tokenizer")
+    tokenizer = kw.static(b, kws["tokenizer"], env, ":tokenizer")
     if not isinstance(tokenizer, str) or not tokenizer:
       raise SxError("E-TYPE-001", f"defeval {name} :tokenizer must be a path; found "
                     f"{describe(tokenizer)}", location=kws["tokenizer"].loc,
@@ -440,7 +439,7 @@ def _eval(top: TopLevel, form: List, env: Env) -> EvalDecl:
 
 @reads("defdiagnostic")
 def _diagnostic(top: TopLevel, form: List, env: Env) -> DiagDecl:
-  name, kws = str(form.items[1].value), _keys(form)
+  name, kws = str(form.items[1].value), kw.keys(form)
   of = kws.get("of")
   kind = head_symbol(of) if of is not None else None
   if kind not in DIAG_KINDS:
@@ -459,7 +458,7 @@ def _diagnostic(top: TopLevel, form: List, env: Env) -> DiagDecl:
   if reduce not in REDUCERS:
     raise SxError("E-FORM-001", f"unknown reducer `{reduce}`", location=kws["reduce"].loc,
                   fix="reducers: " + " ".join(REDUCERS))
-  every = _value(top.b, form, kws, "every", env)
+  every = kw.value(top.b, form, kws, "every", env)
   return DiagDecl(name, int(every), kind, arg, reduce, form.loc)
 
 
@@ -501,7 +500,7 @@ def _curriculum(top: TopLevel, form: List, env: Env) -> list[StageDecl]:
 @reads("defrun")
 def _run(top: TopLevel, form: List, env: Env):
   b, selection, loaders = top.b, top.selection, top.of("defloader")
-  kws = _keys(form, 1)
+  kws = kw.keys(form, 1)
   for req in FORMS["defrun"].required:
     if req not in kws:
       raise SxError("E-RUN-002", f"defrun has no :{req}", location=form.loc,
@@ -510,7 +509,7 @@ def _run(top: TopLevel, form: List, env: Env):
   if not isinstance(loss, Closure):
     raise SxError("E-RUN-002", ":loss must be a function of the batch", location=kws["loss"].loc,
                   fix="(defn loss [batch] ...) and :loss loss")
-  data = _loader_name(kws["data"], loaders)
+  data = kw.loader_name(kws["data"], loaders)
   optimizer = b.eval(kws["optimizer"], env)
   if not isinstance(optimizer, Spec) or optimizer.kind != "optimizer":
     raise SxError("E-RUN-002", ":optimizer must be an optimizer", location=kws["optimizer"].loc,
