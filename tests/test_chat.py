@@ -404,3 +404,29 @@ def test_a_template_that_fails_on_a_conversation_is_an_error_at_its_line(tmp_pat
     _load(folder, [GOOD])
   assert e.value.code == "E-CHAT-002" and "bad.jsonl:1:" in str(e.value)
   assert "fails on this conversation: TypeError" in str(e.value)
+
+
+@pytest.mark.parametrize("template,limit", [
+    # loops within loops over range: 10^10 steps
+    ("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}",
+     "more than 100,000 steps"),
+    # a macro that calls itself twice: 2^40 calls at a depth of 40
+    ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
+     "more than 100,000 steps"),
+    # text that doubles on each turn of a loop: 2^60 characters
+    ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+     "{% endfor %}{{ ns.s|length }}", "MiB allowed"),
+])
+def test_a_template_that_would_spin_or_fill_memory_is_stopped(tmp_path, folders, monkeypatch,
+                                                              template, limit):
+  from sexpgpu.data import chattemplate
+  monkeypatch.setattr(chattemplate, "RENDER_MEMORY", 64 * 2**20)  # lower than the defaults
+  monkeypatch.setattr(chattemplate, "RENDER_STEPS", 100_000)        # (which are not what is held)
+  folder = tmp_path / "hostile"
+  folder.mkdir()
+  (folder / "tokenizer.json").write_bytes((folders["chatml"] / "tokenizer.json").read_bytes())
+  (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+  with pytest.raises(SxError) as e:
+    _load(folder, [GOOD])
+  assert e.value.code == "E-CHAT-002" and "bad.jsonl:1:" in str(e.value), e.value
+  assert "was stopped rendering this conversation" in str(e.value) and limit in str(e.value)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import datetime
 from typing import Any
 
@@ -44,6 +45,54 @@ CONFIG_LIMIT = 16 * bounded.MiB
 # Characters the incremental renders of one conversation may make in all (a template with
 # {% generation %} renders it once instead).
 RENDER_BUDGET = 64 * bounded.MiB
+# What one render may do, as a hostile template is stopped rather than left to spin: steps
+# (calls, macro calls included, attribute and item reads, operators, and each item of a
+# `range`), seconds, and resident memory added. A real template renders a conversation in
+# thousands of steps and milliseconds.
+RENDER_STEPS = 1_000_000
+RENDER_SECONDS = 10.0
+RENDER_MEMORY = bounded.GiB
+
+
+class TooCostly(Exception):
+  """A render went past one of its limits (steps, seconds or memory)."""
+
+
+class Meter:
+  """The work a render has done, told at each step the sandbox sees."""
+
+  def __init__(self):
+    self.start()
+
+  def start(self) -> None:
+    """Begins a render's count."""
+    self.steps, self.deadline = 0, time.monotonic() + RENDER_SECONDS
+    self.rss, self.looked = _resident(), time.monotonic()
+
+  def step(self, n: int = 1) -> None:
+    """Counts n steps; raises TooCostly past a limit."""
+    self.steps += n
+    if self.steps > RENDER_STEPS:
+      raise TooCostly(f"more than {RENDER_STEPS:,} steps (calls, reads, operators and range "
+                      "items)")
+    now = time.monotonic()
+    if now > self.deadline:
+      raise TooCostly(f"more than {RENDER_SECONDS:g} s")
+    if now - self.looked >= 0.02 and self.rss is not None:
+      self.looked = now
+      grown = (_resident() or 0) - self.rss
+      if grown > RENDER_MEMORY:
+        raise TooCostly(f"{grown / bounded.MiB:,.0f} MiB of memory, more than the "
+                        f"{RENDER_MEMORY / bounded.MiB:,.0f} MiB allowed")
+
+
+def _resident() -> int | None:
+  """This process's resident bytes (Linux's /proc), or None where it cannot be read."""
+  try:
+    with open("/proc/self/statm", encoding="ascii") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 class NotLocated(Exception):
@@ -70,8 +119,12 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _environment():
-  """The Jinja environment `transformers` compiles chat templates in, and its span tracker."""
+def _environment(meter: Meter):
+  """The Jinja environment `transformers` compiles chat templates in, and its span tracker.
+
+  The environment counts each call, attribute or item read, operator and `range` item on
+  `meter`, which stops a render past its limits.
+  """
   import jinja2  # pylint: disable=import-outside-toplevel
   import jinja2.ext  # pylint: disable=import-outside-toplevel
   from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
@@ -105,8 +158,40 @@ def _environment():
   def strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[Generation, jinja2.ext.loopcontrols])
+  class Metered(ImmutableSandboxedEnvironment):
+    """The sandbox, with every call, read and operator counted."""
+
+    intercepted_binops = frozenset(["+", "-", "*", "/", "//", "%", "**"])
+    intercepted_unops = frozenset(["+", "-"])
+
+    def call(__self, __context, __obj, *args, **kwargs):  # pylint: disable=no-self-argument
+      meter.step()
+      return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+      meter.step()
+      return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+      meter.step()
+      return super().getitem(obj, argument)
+
+    def call_binop(self, context, operator, left, right):
+      meter.step()
+      return super().call_binop(context, operator, left, right)
+
+    def call_unop(self, context, operator, arg):
+      meter.step()
+      return super().call_unop(context, operator, arg)
+
+  def metered_range(*args):
+    items = jinja2.sandbox.safe_range(*args)
+    meter.step(len(items))
+    return items
+
+  env = Metered(trim_blocks=True, lstrip_blocks=True,
+                extensions=[Generation, jinja2.ext.loopcontrols])
+  env.globals["range"] = metered_range
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
@@ -182,7 +267,8 @@ class ChatTemplate:
                   "Jinja string", "write chat_template as one string (or a list of "
                   '{"name": "default", "template": ...})')
     import jinja2  # pylint: disable=import-outside-toplevel
-    self._env, self._tracker = _environment()
+    self._meter = Meter()
+    self._env, self._tracker = _environment(self._meter)
     try:
       self._template = self._env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
@@ -207,7 +293,9 @@ class ChatTemplate:
 
     Raises:
       jinja2.exceptions.TemplateError: what the template raises (`raise_exception`).
+      TooCostly: the render went past RENDER_STEPS, RENDER_SECONDS or RENDER_MEMORY.
     """
+    self._meter.start()
     kwargs = dict(self.variables)
     kwargs.update(messages=messages, tools=None, documents=None,
                   add_generation_prompt=add_generation_prompt)
