@@ -4,43 +4,34 @@ from __future__ import annotations
 
 from sexpgpu.data import chat, files, mix, pairs, synthetic, text
 from sexpgpu.data.base import Context, Loader
-from sexpgpu.data.spec import LoaderSpec, bind_args, check_fields
+from sexpgpu.data.spec import LoaderDef, LoaderSpec, bind_args, check_fields
 from sexpgpu.errors import SxError, did_you_mean
 
-__all__ = ["KINDS", "Loader", "LoaderSpec", "keywords", "make_loader", "takes_file"]
+__all__ = ["KINDS", "Loader", "LoaderDef", "LoaderSpec", "keywords", "make_loader", "takes_file"]
 
-# Every loader kind and its class; the class's `arg_table` lists its keywords. A new loader
-# is registered here and nowhere else: `defloader` (front/experiment.py), `check` and the
-# language reference read its keywords from its table.
-KINDS: dict[str, type[Loader]] = {
-    "markov": synthetic.MarkovLoader,
-    "copy": synthetic.TaskLoader,
-    "reverse": synthetic.TaskLoader,
-    "sort": synthetic.TaskLoader,
-    "add": synthetic.AddLoader,
-    "tokens": files.TokensLoader,
-    "bytes": files.BytesLoader,
-    "arrays": files.ArraysLoader,
-    "mix": mix.MixLoader,
-    "text": text.TextLoader,
-    "chat": chat.ChatLoader,
-    "pairs": pairs.PairsLoader,
-}
+# Every loader kind, declared beside the class that builds it (LoaderDef: its typed keywords,
+# a doc line, the builder), in the reference's order. `defloader` (front/experiment.py),
+# bind_args (here and at `check`) and the language reference read a kind's keywords from its
+# declaration and nowhere else.
+KINDS: dict[str, LoaderDef] = {d.name: d for d in (
+    synthetic.MARKOV, synthetic.COPY, synthetic.REVERSE, synthetic.SORT, synthetic.ADD,
+    files.TOKENS, files.BYTES, files.ARRAYS, mix.MIX, text.TEXT, chat.CHAT, pairs.PAIRS)}
 
 
-# Table entries that are not `:keyword`s: a file kind's path is written first, a mix's
-# components are its (WEIGHT LOADER) pairs.
+# The kinds of Key written without a `:keyword`: a file kind's path first, a mix's
+# components as its (WEIGHT LOADER) pairs.
 POSITIONAL = ("path", "components")
 
 
 def keywords(kind: str) -> tuple[str, ...]:
-  """The `:keyword`s that loader `kind` takes, from its class's arg_table (required first)."""
-  return tuple(k for k in KINDS[kind].arg_table.known() if k not in POSITIONAL)
+  """The `:keyword`s that loader `kind` takes, from its declaration (required first)."""
+  decl = KINDS[kind]
+  return tuple(k for k in decl.known() if decl.key(k).kind not in POSITIONAL)
 
 
 def takes_file(kind: str) -> bool:
   """Whether loader `kind` reads a file (or s3:// URI) written before its keywords."""
-  return "path" in KINDS[kind].arg_table.required
+  return any(KINDS[kind].key(k).kind == "path" for k in KINDS[kind].required)
 
 
 def make_loader(spec: LoaderSpec, seed: int = 0, cache_dir: str | None = None,
@@ -69,9 +60,9 @@ def make_loader(spec: LoaderSpec, seed: int = 0, cache_dir: str | None = None,
     raise SxError("E-FORM-001", f"loader `{spec.name}`: unknown loader kind `{spec.kind}`",
                   location=spec.location,
                   fix=(hint + " " if hint else "") + "kinds: " + " ".join(KINDS))
-  cls = KINDS[spec.kind]
+  decl = KINDS[spec.kind]
   ctx = Context(seed=seed, cache_dir=cache_dir, shuffle_default=shuffle_default,
                 make=lambda sub: make_loader(sub, seed, cache_dir, shuffle_default))
-  loader = cls(spec, bind_args(spec, cls.arg_table), ctx)
+  loader = decl.builder(spec, bind_args(spec, decl), ctx)
   check_fields(spec, loader.fields)
   return loader

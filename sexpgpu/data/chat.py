@@ -11,8 +11,7 @@ import numpy as np
 from sexpgpu import bounded
 from sexpgpu.data import base, chattemplate
 from sexpgpu.data.files import RecordOrder
-from sexpgpu.data.spec import (SEED_LIMIT, ArgTable, LoaderSpec, form_error, fraction_range,
-                               load_error, positive_int)
+from sexpgpu.data.spec import LoaderDef, LoaderSpec, form_error, key, load_error
 from sexpgpu.data.text import first_fit
 from sexpgpu.errors import SxError
 
@@ -162,6 +161,13 @@ def guarded(spec: LoaderSpec, tmpl: chattemplate.ChatTemplate, path: str, number
                   fix=f"mark the assistant's text in the template ({tmpl.source}) with "
                   "{% generation %}...{% endgeneration %}, or train on all tokens "
                   "(:train-on all)") from None
+  except chattemplate.TooCostly as e:
+    raise SxError("E-CHAT-002", f"loader `{spec.name}`: {path}:{number}: the chat template "
+                  f"({tmpl.source}) was stopped rendering this conversation: it took {e}",
+                  location=spec.location,
+                  fix="correct the template: a chat template renders a conversation in "
+                  "milliseconds; look for loops over range or text that grows without end") \
+        from None
   except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
           RecursionError) as e:
     raise SxError("E-CHAT-002", f"loader `{spec.name}`: {path}:{number}: the chat template "
@@ -189,26 +195,17 @@ class ChatLoader(base.Loader):
   """
 
   kind = "chat"
-  arg_table = ArgTable(("path", "tokenizer", "seq", "batch"),
-                       {"train-on": "assistant", "split": (0, 1), "shuffle": None, "stream": 0,
-                        "seed": 0, "vocab": 0},
-                       {"train-on": TRAIN_ON})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
     self.spec = spec
     self.path = resolve(spec, args["path"], '(chat "data/chat.jsonl" :tokenizer '
                         '"tok/tokenizer.json" :seq 256 :batch 8)', "path")
-    self.seq = positive_int(spec, args, "seq")
-    self.batch_size = positive_int(spec, args, "batch")
-    self.train_on = str(args["train-on"])
-    split = fraction_range(spec, args["split"])
+    # every keyword is as CHAT declares it (bind_args checked ranges and names)
+    self.seq, self.batch_size, self.train_on = args["seq"], args["batch"], str(args["train-on"])
+    split = args["split"]
     shuffle = ctx.shuffle_default if args["shuffle"] is None else args["shuffle"]
-    if not isinstance(shuffle, bool):
-      raise form_error(spec, f"`:shuffle` is {shuffle!r}, expected true or false",
-                       "write :shuffle true (rows permuted each epoch) or :shuffle false")
-    stream = positive_int(spec, args, "stream", minimum=0)
-    own_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
+    stream, own_seed = args["stream"], args["seed"]
     self.template = open_template(spec, args)
     self.folder = self.template.folder  # its tokenizer.json is the one `sample` reads
     self.vocab = self.template.vocab
@@ -299,7 +296,19 @@ def check_vocab(spec: LoaderSpec, args: dict[str, Any], vocab: int) -> None:
   Raises:
     SxError: E-LOAD-003 naming both sizes.
   """
-  if args["vocab"] and positive_int(spec, args, "vocab") < vocab:
+  if args["vocab"] and args["vocab"] < vocab:
     raise load_error("E-LOAD-003", spec, str(args["tokenizer"]),
                      f"the tokenizer has {vocab} tokens, more than :vocab {args['vocab']}",
                      f"raise :vocab (and the model's) to at least {vocab}")
+
+
+CHAT = LoaderDef(
+    "chat", "conversations, one JSON line each ({\"messages\": [{\"role\", \"content\"}, ...]}), "
+    "rendered with the :tokenizer's chat template as transformers' apply_chat_template renders "
+    "it (ChatML when its tokenizer_config.json has none), packed whole into rows (:tokens "
+    ":segments :positions) with :mask 1 on the assistant's tokens (its end-of-turn marker "
+    "included)",
+    (key("path"), key("tokenizer", required=True), key("seq", required=True),
+     key("batch", required=True), key("train-on", default="assistant", choices=TRAIN_ON),
+     key("split"), key("shuffle"), key("stream"), key("seed"), key("vocab", default=0, lo=0)),
+    ChatLoader)

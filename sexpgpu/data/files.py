@@ -10,11 +10,9 @@ from typing import Any
 import numpy as np
 
 from sexpgpu.data import base, remote
-from sexpgpu.data.spec import (ArgTable, LoaderSpec, form_error, fraction_range,
-                               load_error, positive_int)
+from sexpgpu.data.spec import LoaderDef, LoaderSpec, form_error, key, load_error
 from sexpgpu.errors import did_you_mean
 
-_COMMON = {"split": (0, 1), "shuffle": None, "stream": 0}
 _TOKEN_DTYPES = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32,
                  "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 _CASTS = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int32),
@@ -61,13 +59,10 @@ class RecordOrder:
     return out
 
 
-def _common(spec: LoaderSpec, args: dict[str, Any], shuffle_default: bool):
-  split = fraction_range(spec, args["split"])
+def _common(args: dict[str, Any], shuffle_default: bool):
+  """(split, shuffle, stream), as bind_args checked them; :shuffle absent is the context's."""
   shuffle = shuffle_default if args["shuffle"] is None else args["shuffle"]
-  if not isinstance(shuffle, bool):
-    raise form_error(spec, f"`:shuffle` is {shuffle!r}, expected true or false",
-                     "write :shuffle true or :shuffle false")
-  return split, shuffle, positive_int(spec, args, "stream", minimum=0)
+  return args["split"], shuffle, args["stream"]
 
 
 def _check_path(spec: LoaderSpec, args: dict[str, Any]) -> str:
@@ -94,11 +89,10 @@ class WindowLoader(base.Loader):
     super().__init__()
     self.spec = spec
     path = _check_path(spec, args)
-    self.seq = positive_int(spec, args, "seq")
-    self.batch_size = positive_int(spec, args, "batch")
-    self.stride = positive_int(spec, args, "stride") if args["stride"] else self.seq
-    self.vocab = positive_int(spec, args, "vocab") if args["vocab"] else None
-    split, shuffle, stream = _common(spec, args, ctx.shuffle_default)
+    self.seq, self.batch_size = args["seq"], args["batch"]
+    self.stride = args["stride"] or self.seq
+    self.vocab = args["vocab"] or None
+    split, shuffle, stream = _common(args, ctx.shuffle_default)
     self.dtype = np.dtype(self._dtype(spec, args))
     self.uri = path
     self.file = remote.resolve(spec, path, ctx.cache_dir)
@@ -169,16 +163,12 @@ class TokensLoader(WindowLoader):
   """`(tokens "train.bin" :dtype u16|u32 :seq N :batch B [:vocab V] [:stride K])`."""
 
   kind = "tokens"
-  arg_table = ArgTable(("path", "seq", "batch"),
-                       {"dtype": "u16", "stride": 0, "vocab": 0, **_COMMON},
-                       {"dtype": tuple(_TOKEN_DTYPES)})
 
 
 class BytesLoader(WindowLoader):
   """`(bytes "corpus.txt" :seq N :batch B [:stride K])`: a file's bytes as tokens."""
 
   kind = "bytes"
-  arg_table = ArgTable(("path", "seq", "batch"), {"stride": 0, "vocab": 0, **_COMMON})
 
 
 class ArraysLoader(base.Loader):
@@ -191,19 +181,14 @@ class ArraysLoader(base.Loader):
   """
 
   kind = "arrays"
-  arg_table = ArgTable(("path", "fields", "batch"), dict(_COMMON))
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
     self.spec = spec
     self.uri = _check_path(spec, args)
     names = args["fields"]
-    if (not isinstance(names, (list, tuple)) or not names
-        or not all(isinstance(n, str) for n in names)):
-      raise form_error(spec, f"`:fields` is {names!r}, expected a list of names",
-                       "write :fields [x y]")
-    self.batch_size = positive_int(spec, args, "batch")
-    split, shuffle, stream = _common(spec, args, ctx.shuffle_default)
+    self.batch_size = args["batch"]
+    split, shuffle, stream = _common(args, ctx.shuffle_default)
     self.file = remote.resolve(spec, self.uri, ctx.cache_dir)
     headers = self._headers(list(names))
     rows = {shape[0] if shape else 0 for shape, _ in headers.values()}
@@ -275,3 +260,17 @@ def _npy_header(f) -> tuple[tuple[int, ...], np.dtype]:
     raise ValueError(f".npy format version {version} is not supported")
   shape, _, dtype = read(f)
   return tuple(shape), np.dtype(dtype)
+
+
+# The file kinds, declared beside their builders; :split, :shuffle and :stream are every
+# file kind's.
+_COMMON = (key("split"), key("shuffle"), key("stream"))
+_WINDOW = (key("path"), key("seq", required=True), key("batch", required=True),
+           key("stride", default=0, lo=0), key("vocab", default=0, lo=0))
+TOKENS = LoaderDef("tokens", "windows of a flat token file, nanoGPT's .bin layout (:tokens)",
+                   _WINDOW + (key("dtype", default="u16", choices=tuple(_TOKEN_DTYPES)),)
+                   + _COMMON, TokensLoader)
+BYTES = LoaderDef("bytes", "windows of a file's bytes (:tokens)", _WINDOW + _COMMON, BytesLoader)
+ARRAYS = LoaderDef("arrays", "rows of the named arrays of an .npz (one field per array)",
+                   (key("path"), key("fields", required=True), key("batch", required=True))
+                   + _COMMON, ArraysLoader)

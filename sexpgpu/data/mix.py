@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from sexpgpu.data import base
-from sexpgpu.data.spec import ArgTable, LoaderSpec, form_error, positive_int
+from sexpgpu.data.spec import LoaderDef, LoaderSpec, form_error, key
 
 # Records per block of component choices; counts are kept per block.
 BLOCK = 4096
@@ -27,13 +27,11 @@ class MixLoader(base.Loader):
   """
 
   kind = "mix"
-  arg_table = ArgTable(("components", "batch"), {"stream": 0})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
     self.spec = spec
-    self.batch_size = positive_int(spec, args, "batch")
-    self.stream = positive_int(spec, args, "stream", minimum=0)
+    self.batch_size, self.stream = args["batch"], args["stream"]
     self.seed = ctx.seed
     weights, specs = self._components(spec, args["components"])
     self.subs = [ctx.make(_with_batch(s, self.batch_size)) for s in specs]
@@ -114,3 +112,7 @@ def _with_batch(spec: LoaderSpec, batch: int) -> LoaderSpec:
   if "batch" in spec.args:
     return spec
   return dataclasses.replace(spec, args={**spec.args, "batch": batch})
+
+
+MIX = LoaderDef("mix", "a weighted mixture of other loaders",
+                (key("components"), key("batch", required=True), key("stream")), MixLoader)

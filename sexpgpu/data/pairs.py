@@ -8,8 +8,7 @@ from typing import Any
 import numpy as np
 
 from sexpgpu.data import base, chat
-from sexpgpu.data.spec import (SEED_LIMIT, ArgTable, LoaderSpec, form_error, fraction_range,
-                               load_error, positive_int)
+from sexpgpu.data.spec import LoaderDef, LoaderSpec, key, load_error
 from sexpgpu.errors import SxError
 
 # Keeps the pairs loader's shuffle apart from the other loaders' streams.
@@ -42,31 +41,23 @@ class PairsLoader(base.Loader):
   """
 
   kind = "pairs"
-  arg_table = ArgTable(("path", "seq", "batch"),
-                       {"tokenizer": None, "split": (0, 1), "shuffle": None, "stream": 0,
-                        "seed": 0, "vocab": 0})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
     self.spec = spec
     self.path = chat.resolve(spec, args["path"], '(pairs "data/pairs.jsonl" :seq 64 '
                              ':batch 8 :tokenizer "tok/tokenizer.json")', "path")
-    self.seq = positive_int(spec, args, "seq")
-    self.batch_size = positive_int(spec, args, "batch")
-    split = fraction_range(spec, args["split"])
+    # every keyword is as PAIRS declares it (bind_args checked ranges and names)
+    self.seq, self.batch_size, split = args["seq"], args["batch"], args["split"]
     shuffle = ctx.shuffle_default if args["shuffle"] is None else args["shuffle"]
-    if not isinstance(shuffle, bool):
-      raise form_error(spec, f"`:shuffle` is {shuffle!r}, expected true or false",
-                       "write :shuffle true (pairs permuted each epoch) or :shuffle false")
-    stream = positive_int(spec, args, "stream", minimum=0)
-    own_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
+    stream, own_seed = args["stream"], args["seed"]
     self.tokenizer = args["tokenizer"]
     self.template = None if self.tokenizer is None else chat.open_template(spec, args)
     self.folder = None if self.template is None else self.template.folder
     self.vocab = 0 if self.template is None else self.template.vocab
     if self.template is not None:
       chat.check_vocab(spec, args, self.vocab)
-    limit = positive_int(spec, args, "vocab", minimum=0)
+    limit = args["vocab"]
     eos = None
     if self.template is not None and "eos_token" in self.template.variables:
       eos = self.template.tokenizer.token_to_id(self.template.variables["eos_token"])
@@ -188,3 +179,13 @@ class PairsLoader(base.Loader):
     return {**super().describe(), "file": self.path, "cut": self.cut,
             "summary": f"{self.records} pairs, {self.cut} cut to {self.seq} tokens, "
                        f"tokenizer {source}"}
+
+
+PAIRS = LoaderDef(
+    "pairs", "preference pairs, one JSON line each ({\"prompt\", \"chosen\", \"rejected\"}: text "
+    "with :tokenizer, or token ids): :chosen and :rejected (the prompt, then the continuation, "
+    "padded at the end) and :chosen-mask and :rejected-mask, 1 on the continuation (DPO's "
+    "sequence-logps and dpo-loss)",
+    (key("path"), key("seq", required=True), key("batch", required=True), key("tokenizer"),
+     key("split"), key("shuffle"), key("stream"), key("seed"), key("vocab", default=0, lo=0)),
+    PairsLoader)

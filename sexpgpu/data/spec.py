@@ -1,4 +1,5 @@
-"""A loader's declaration (LoaderSpec), its argument tables and error helpers."""
+"""A loader's declaration in a file (LoaderSpec), a loader kind's declaration (LoaderDef: its
+typed keywords, checked by bind_args), and error helpers."""
 
 from __future__ import annotations
 
@@ -32,68 +33,191 @@ class LoaderSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class ArgTable:
-  """The keywords a loader kind takes: the required ones, the defaults, and for a keyword
-  whose value is a name (`:pack docs`), the names it takes."""
+class Key:
+  """What a loader keyword accepts: bind_args checks it from here, before any loader is built.
 
-  required: tuple[str, ...]
-  optional: Mapping[str, Any]
-  choices: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  Attributes:
+    doc: one line for docs/language.md; every kind taking the keyword shares it (KEYS').
+    kind: "int" (an integer in lo..hi), "bool" (true or false; a None default leaves the
+      choice to the loader's context), "choice" (a name, one of `choices`), "split" ([a b]
+      fractions), "names" (a vector of field names), "path" (the file written first), "file"
+      (a file named by a string), "components" (a mix's (WEIGHT LOADER) pairs) or "any".
+    default: the value when the keyword is absent (required ones have none).
+    lo, hi: an int's range, both ends included (hi None: below 2^31).
+    required: the kind needs it.
+    choices: the names a "choice" keyword takes.
+  """
+
+  doc: str
+  kind: str = "any"
+  default: Any = None
+  lo: int = 1
+  hi: int | None = None
+  required: bool = False
+  choices: tuple[str, ...] = ()
+
+
+# Sizes and counts reach the step as int32: no loader size, nor a microbatch's element
+# count, may reach this (XLA aborts the process on some larger extents).
+SIZE_LIMIT = 2**31
+SEED_LIMIT = 2**63
+
+# The loader keywords, one meaning each; a kind takes its own range and default with key().
+KEYS: dict[str, Key] = {
+    "vocab": Key("token vocabulary size", "int"),
+    "seq": Key("tokens per record", "int"),
+    "batch": Key("records per microbatch", "int"),
+    "seed": Key("the data's own seed", "int", 0, 0, SEED_LIMIT - 1),
+    "branching": Key("successors per Markov state", "int"),
+    "stream": Key("an independent stream of the same source (0, 1, ...)", "int", 0, 0),
+    "shuffle": Key("shuffle records (default: true for training, false for passes)", "bool"),
+    "split": Key("[FROM TO] fractions of the records, such as [0 0.9]; text: of the documents "
+                 "or of the tokens (:split-by)", "split", (0, 1)),
+    "split-by": Key("text: what :split counts, \"tokens\" (cut within documents: one book "
+                    "split 90/10, nanoGPT's way) or \"documents\" (whole ones); the default is "
+                    "tokens for a cache of one document or a text file, documents for more",
+                    "choice"),
+    "digits": Key("digits per operand", "int"),
+    "dtype": Key("the token file's width, u16 by default", "choice"),
+    "fields": Key("[x y]: the arrays to read", "names"),
+    "pack": Key("concat (the default) lays documents end to end; docs places whole documents "
+                "in rows", "choice"),
+    "offsets": Key("random (the default for training) cuts rows anew each epoch; fixed "
+                   "(passes) does not", "choice"),
+    "stride": Key("tokens between windows (default seq)", "int"),
+    "path": Key("the file (relative or s3://)", "path", required=True),
+    "components": Key("written positionally: (mix (0.7 LOADER) (0.3 LOADER) :batch B)",
+                      "components", required=True),
+    "tokenizer": Key("chat, pairs: a tokenizer.json (relative to the .sx file); the "
+                     "chat_template of the tokenizer_config.json beside it renders "
+                     "conversations", "file"),
+    "train-on": Key("chat: the tokens :mask is 1 on, those the assistant wrote (the default) "
+                    "or all of each conversation's", "choice"),
+}
+
+
+def key(name: str, **changes: Any) -> tuple[str, Key]:
+  """(name, its KEYS declaration with a kind's own range, default or requirement)."""
+  return name, dataclasses.replace(KEYS[name], **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderDef:
+  """One loader kind of the language, declared beside the class that builds it.
+
+  Attributes:
+    name: the kind, as written: `(markov ...)`.
+    doc: one line for the reference: the records it makes.
+    keywords: (keyword, Key) in the order bind_args checks them, the required ones first
+      among themselves as listed; "path" and "components" are written positionally.
+    builder: the Loader class, built as `builder(spec, bound args, Context)`.
+  """
+
+  name: str
+  doc: str
+  keywords: tuple[tuple[str, Key], ...]
+  builder: Any
+
+  @property
+  def arg_table(self) -> "LoaderDef":
+    """Itself: what reads a kind's table (its required keywords, defaults, choices)."""
+    return self
+
+  @property
+  def required(self) -> tuple[str, ...]:
+    """The keywords it needs, in declaration order."""
+    return tuple(k for k, d in self.keywords if d.required)
+
+  @property
+  def optional(self) -> dict[str, Any]:
+    """Each optional keyword and its default."""
+    return {k: d.default for k, d in self.keywords if not d.required}
+
+  @property
+  def choices(self) -> dict[str, tuple[str, ...]]:
+    """The names each "choice" keyword takes."""
+    return {k: d.choices for k, d in self.keywords if d.kind == "choice"}
 
   def known(self) -> list[str]:
     """Every keyword of the kind, required first."""
     return list(self.required) + sorted(self.optional)
 
+  def key(self, name: str) -> Key:
+    """The declaration of keyword `name`."""
+    return dict(self.keywords)[name]
 
-def bind_args(spec: LoaderSpec, table: ArgTable) -> dict[str, Any]:
-  """Checks a spec's keywords against its kind's table and fills defaults.
+
+def bind_args(spec: LoaderSpec, table: LoaderDef) -> dict[str, Any]:
+  """Checks a spec's keywords against its kind's declaration and fills defaults.
 
   Args:
     spec: the loader's declaration.
-    table: the keywords its kind takes.
+    table: its kind's declaration.
 
   Returns:
     The arguments, every optional keyword present.
 
   Raises:
-    SxError: E-FORM-002 for an unknown keyword, E-FORM-001 for a missing one or a name
-      that is not one of its keyword's choices.
+    SxError: E-FORM-002 for an unknown keyword, E-FORM-001 for a missing one, a name
+      that is not one of its keyword's choices, or a value its Key refuses (an integer out
+      of its range, a :shuffle that is no boolean, a :split that is no pair of fractions,
+      :fields that are no names).
   """
   known = table.known()
-  for key in spec.args:
-    if key not in known:
-      hint = did_you_mean(key, known)
+  for name in spec.args:
+    if name not in known:
+      hint = did_you_mean(name, known)
       raise SxError(
           "E-FORM-002",
-          f"loader `{spec.name}`: `{spec.kind}` takes no keyword `:{key}`",
+          f"loader `{spec.name}`: `{spec.kind}` takes no keyword `:{name}`",
           location=spec.location,
           fix=(hint + " " if hint else "") + "known keywords: "
           + " ".join(_show_key(k) for k in known))
-  for key in table.required:
-    if key not in spec.args:
+  for name in table.required:
+    if name not in spec.args:
       raise SxError(
           "E-FORM-001",
-          f"loader `{spec.name}`: `{spec.kind}` needs {_show_key(key)}",
+          f"loader `{spec.name}`: `{spec.kind}` needs {_show_key(name)}",
           location=spec.location,
           fix=f"write ({spec.kind} {_usage(table)})")
-  for key, names in table.choices.items():
-    if key in spec.args and str(spec.args[key]) not in names:
-      hint = did_you_mean(str(spec.args[key]), list(names))
+  for name, names in table.choices.items():
+    if name in spec.args and str(spec.args[name]) not in names:
+      hint = did_you_mean(str(spec.args[name]), list(names))
       raise SxError(
           "E-FORM-001",
-          f"loader `{spec.name}`: `:{key}` is {str(spec.args[key])[:60]}, expected one of "
+          f"loader `{spec.name}`: `:{name}` is {str(spec.args[name])[:60]}, expected one of "
           + ", ".join(names), location=spec.location,
-          fix=(hint + " " if hint else "") + f"write :{key} " + f" or :{key} ".join(names))
+          fix=(hint + " " if hint else "") + f"write :{name} " + f" or :{name} ".join(names))
   args = dict(table.optional)
   args.update(spec.args)
+  for name in known:
+    _check(spec, args, name, table.key(name))
   return args
+
+
+def _check(spec: LoaderSpec, args: dict[str, Any], name: str, decl: Key) -> None:
+  """Refuses a bound value its declaration does not take (a default of None is absent)."""
+  v = args[name]
+  if v is None:
+    return
+  if decl.kind == "int":
+    positive_int(spec, args, name, decl.lo, SIZE_LIMIT - 1 if decl.hi is None else decl.hi)
+  elif decl.kind == "bool" and not isinstance(v, bool):
+    raise form_error(spec, f"`:{name}` is {_shown(v)}, expected true or false",
+                     f"write :{name} true or :{name} false")
+  elif decl.kind == "split":
+    args[name] = fraction_range(spec, v)
+  elif decl.kind == "names" and (not isinstance(v, (list, tuple)) or not v
+                                 or not all(isinstance(n, str) for n in v)):
+    raise form_error(spec, f"`:{name}` is {v!r}, expected a list of names",
+                     f"write :{name} [x y]")
 
 
 def _show_key(key: str) -> str:
   return "a file path" if key == "path" else f":{key}"
 
 
-def _usage(table: ArgTable) -> str:
+def _usage(table: LoaderDef) -> str:
   parts = ['"FILE"' if k == "path" else f":{k} {k.upper()}" for k in table.required]
   parts += [f"[:{k} {k.upper()}]" for k in sorted(table.optional)]
   return " ".join(parts)
@@ -103,12 +227,6 @@ def form_error(spec: LoaderSpec, message: str, fix: str) -> SxError:
   """An E-FORM-001 about a loader argument of the wrong type or range."""
   return SxError("E-FORM-001", f"loader `{spec.name}`: {message}",
                  location=spec.location, fix=fix)
-
-
-# Sizes and counts reach the step as int32: no loader size, nor a microbatch's element
-# count, may reach this (XLA aborts the process on some larger extents).
-SIZE_LIMIT = 2**31
-SEED_LIMIT = 2**63
 
 
 def positive_int(spec: LoaderSpec, args: Mapping[str, Any], key: str,

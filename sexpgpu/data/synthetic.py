@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from sexpgpu.data import base
-from sexpgpu.data.spec import SEED_LIMIT, ArgTable, LoaderSpec, form_error, positive_int
+from sexpgpu.data.spec import LoaderDef, LoaderSpec, form_error, key
 
 _I32 = np.dtype(np.int32)
 _BOOL = np.dtype(np.bool_)
 
-# The most states a markov chain may have: its transition table is built when the file
-# compiles (131072 states, a Llama 3 vocabulary, take about 8 s), so a larger :vocab is
-# refused before anything is built.
+# The most states a markov chain may have: its transition table is built at the first
+# batch or description (131072 states, a Llama 3 vocabulary, take about 8 s), so a larger
+# :vocab is refused before anything is built.
 MARKOV_STATES = 2**17
 
 
@@ -32,30 +33,37 @@ class MarkovLoader(base.Loader):
   """
 
   kind = "markov"
-  arg_table = ArgTable(("vocab", "seq", "batch", "seed"), {"branching": 4, "stream": 0})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
     self.spec = spec
-    # the chain's table is built here, state by state: at most MARKOV_STATES of them
-    self.vocab = positive_int(spec, args, "vocab", maximum=MARKOV_STATES)
-    self.seq = positive_int(spec, args, "seq")
-    self.batch_size = positive_int(spec, args, "batch")
-    self.chain_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
-    self.branching = positive_int(spec, args, "branching")
-    self.stream = positive_int(spec, args, "stream", minimum=0)
+    # each value is in the range MARKOV (at the end of this file) declares: bind_args checked
+    self.vocab, self.seq, self.batch_size = args["vocab"], args["seq"], args["batch"]
+    self.chain_seed, self.branching, self.stream = args["seed"], args["branching"], args["stream"]
     if self.branching > self.vocab:
       raise form_error(spec, f"`:branching {self.branching}` exceeds `:vocab {self.vocab}`",
                        "use a branching of at most the vocabulary size")
     self.seed = ctx.seed
     self.fields = {"tokens": ((self.batch_size, self.seq), _I32)}
-    self.successors, self.weights = _transition_table(self.vocab, self.branching,
-                                                      self.chain_seed)
-    self.cum_weights = np.cumsum(self.weights, axis=1)
-    self.cum_weights[:, -1] = 1.0
-    self.stationary = _stationary(self.successors, self.weights)
-    self.cum_stationary = np.cumsum(self.stationary)
-    self.cum_stationary[-1] = 1.0
+
+  @functools.cached_property
+  def _chain(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(successors, weights, their cumulative sums, stationary law, its cumulative sum),
+    built at the first batch or description: a paper plan that never draws a batch does not
+    pay for a large vocabulary's table."""
+    successors, weights = _transition_table(self.vocab, self.branching, self.chain_seed)
+    cum_weights = np.cumsum(weights, axis=1)
+    cum_weights[:, -1] = 1.0
+    stationary = _stationary(successors, weights)
+    cum_stationary = np.cumsum(stationary)
+    cum_stationary[-1] = 1.0
+    return successors, weights, cum_weights, stationary, cum_stationary
+
+  successors = property(lambda self: self._chain[0], doc="each state's successors [V, K]")
+  weights = property(lambda self: self._chain[1], doc="their transition weights [V, K]")
+  cum_weights = property(lambda self: self._chain[2], doc="cumulative weights [V, K]")
+  stationary = property(lambda self: self._chain[3], doc="the stationary law [V]")
+  cum_stationary = property(lambda self: self._chain[4], doc="its cumulative sum [V]")
 
   def entropy_rate(self) -> float:
     """The chain's exact entropy rate in nats per token: sum of pi_s H(P_s)."""
@@ -69,11 +77,12 @@ class MarkovLoader(base.Loader):
     b, n = self.batch_size, self.seq
     u = g.random((b, n))
     out = np.empty((b, n), np.int32)
-    state = np.searchsorted(self.cum_stationary, u[:, 0], side="right")
+    successors, _, cum_weights, _, cum_stationary = self._chain
+    state = np.searchsorted(cum_stationary, u[:, 0], side="right")
     out[:, 0] = state
     for t in range(1, n):
-      choice = (u[:, t, None] >= self.cum_weights[state]).sum(axis=1)
-      state = self.successors[state, choice]
+      choice = (u[:, t, None] >= cum_weights[state]).sum(axis=1)
+      state = successors[state, choice]
       out[:, t] = state
     return {"tokens": out}
 
@@ -137,24 +146,20 @@ class TaskLoader(base.Loader):
   stream, i).
   """
 
-  arg_table = ArgTable(("vocab", "seq", "batch"), {"seed": 0, "stream": 0})
   _KIND_IDS = {"copy": 1, "reverse": 2, "sort": 3, "add": 4}
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
     self.spec = spec
     self.kind = spec.kind
-    self.batch_size = positive_int(spec, args, "batch")
-    self.task_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
-    self.stream = positive_int(spec, args, "stream", minimum=0)
+    self.batch_size, self.task_seed, self.stream = args["batch"], args["seed"], args["stream"]
     self.seed = ctx.seed
     self._setup(spec, args)
     self.fields = {"tokens": ((self.batch_size, self.seq), _I32),
                    "mask": ((self.batch_size, self.seq), _BOOL)}
 
   def _setup(self, spec: LoaderSpec, args: dict[str, Any]) -> None:
-    self.vocab = positive_int(spec, args, "vocab", minimum=3)
-    self.seq = positive_int(spec, args, "seq", minimum=3)
+    self.vocab, self.seq = args["vocab"], args["seq"]
     self.length = (self.seq - 1) // 2
 
   def _rng(self, i: int) -> np.random.Generator:
@@ -183,19 +188,17 @@ class AddLoader(TaskLoader):
   digits of c.
   """
 
-  arg_table = ArgTable(("digits", "batch"), {"seq": 0, "vocab": ADD_VOCAB, "seed": 0, "stream": 0})
-
   def _setup(self, spec: LoaderSpec, args: dict[str, Any]) -> None:
-    self.digits = positive_int(spec, args, "digits")
+    self.digits = args["digits"]
     if self.digits > 18:
       raise form_error(spec, f"`:digits {self.digits}` is more than 18",
                        "use at most 18 digits")
     need = 3 * self.digits + 3
     self.seq = args["seq"] or need
-    if positive_int(spec, args | {"seq": self.seq}, "seq") < need:
+    if self.seq < need:
       raise form_error(spec, f"`:seq {self.seq}` is too short for {self.digits} digits",
                        f"use :seq {need} or more, or leave it out")
-    self.vocab = positive_int(spec, args, "vocab", minimum=ADD_VOCAB)
+    self.vocab = args["vocab"]
 
   def batch(self, i: int) -> dict[str, np.ndarray]:
     """The i-th microbatch of additions, a pure function of i."""
@@ -217,3 +220,31 @@ class AddLoader(TaskLoader):
 def _digits(x: np.ndarray, width: int) -> np.ndarray:
   powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
   return (ADD_DIGIT0 + (x[:, None] // powers) % 10).astype(np.int32)
+
+
+# The synthetic kinds, declared beside their builders: each keyword's range and default.
+MARKOV = LoaderDef(
+    "markov", "a random Markov chain of tokens (:tokens [B seq], each row a walk from the "
+    "chain's stationary law); check prints its entropy rate",
+    (key("vocab", required=True, hi=MARKOV_STATES), key("seq", required=True),
+     key("batch", required=True), key("seed", required=True), key("branching", default=4),
+     key("stream")), MarkovLoader)
+_TASK_KEYS = (key("seed"), key("stream"))
+_TASK = (key("vocab", required=True, lo=3), key("seq", required=True, lo=3),
+         key("batch", required=True)) + _TASK_KEYS
+COPY = LoaderDef(
+    "copy", "copy a random token sequence: :tokens [B seq] is `x, 1, x, 0…` (L = (seq−1)//2 "
+    "symbols x drawn from 2..vocab−1, the separator 1, the answer, padding 0) and :mask [B seq] "
+    "(bool) is true exactly on the answer's L positions", _TASK, TaskLoader)
+REVERSE = LoaderDef(
+    "reverse", "reverse a random token sequence: :tokens is `x, 1, reversed x, 0…` and :mask "
+    "true on the reversed x (the second half), laid out as `copy`'s", _TASK, TaskLoader)
+SORT = LoaderDef(
+    "sort", "sort a random token sequence: :tokens is `x, 1, sorted x, 0…` and :mask true on "
+    "the sorted x, laid out as `copy`'s", _TASK, TaskLoader)
+ADD = LoaderDef(
+    "add", "add two numbers digit by digit: :tokens is `a, 1 (+), b, 2 (=), c, 0…` with a and b "
+    "D digits, c = a + b D+1 digits, most significant first, zero-padded, digit d as token 3+d "
+    "(a vocabulary of 13); :mask true on c's digits; :seq defaults to 3D+3",
+    (key("digits", required=True), key("batch", required=True), key("seq", default=0, lo=0),
+     key("vocab", default=ADD_VOCAB, lo=ADD_VOCAB)) + _TASK_KEYS, AddLoader)

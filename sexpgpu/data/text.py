@@ -11,8 +11,7 @@ import numpy as np
 from sexpgpu import bounded
 from sexpgpu.data import base, remote, textcache
 from sexpgpu.data.files import RecordOrder
-from sexpgpu.data.spec import (SEED_LIMIT, ArgTable, LoaderSpec, form_error, fraction_range,
-                               load_error, positive_int)
+from sexpgpu.data.spec import LoaderDef, LoaderSpec, form_error, key, load_error
 
 # Keeps the text loader's shuffle apart from the other loaders' streams (base.TAG_*).
 TAG_TEXT = 6
@@ -73,10 +72,6 @@ class TextLoader(base.Loader):
   """
 
   kind = "text"
-  arg_table = ArgTable(("path", "seq", "batch"),
-                       {"pack": "concat", "split": (0, 1), "shuffle": None, "stream": 0,
-                        "seed": 0, "vocab": 0, "offsets": None, "split-by": None},
-                       {"pack": PACKS, "offsets": OFFSETS, "split-by": SPLIT_BY})
 
   def __init__(self, spec: LoaderSpec, args: dict[str, Any], ctx: base.Context):
     super().__init__()
@@ -85,25 +80,13 @@ class TextLoader(base.Loader):
     if not isinstance(self.uri, str) or not self.uri:
       raise form_error(spec, f"the cache is {self.uri!r}, expected a folder",
                        '(text "cache/" :seq 1024 :batch 8)')
-    self.seq = positive_int(spec, args, "seq")
-    self.batch_size = positive_int(spec, args, "batch")
-    self.pack = str(args["pack"])
-    if self.pack not in PACKS:
-      raise form_error(spec, f"`:pack` is {self.pack}, expected concat or docs",
-                       "write :pack concat (end to end) or :pack docs (whole documents)")
-    offsets = ("random" if ctx.shuffle_default else "fixed") if args["offsets"] is None \
+    # every keyword is as TEXT declares it (bind_args checked ranges and names)
+    self.seq, self.batch_size, self.pack = args["seq"], args["batch"], str(args["pack"])
+    self.offsets = ("random" if ctx.shuffle_default else "fixed") if args["offsets"] is None \
         else str(args["offsets"])
-    if offsets not in OFFSETS:
-      raise form_error(spec, f"`:offsets` is {offsets}, expected random or fixed",
-                       "write :offsets random (rows cut anew each epoch) or :offsets fixed")
-    self.offsets = offsets
-    split = fraction_range(spec, args["split"])
+    split = args["split"]
     shuffle = ctx.shuffle_default if args["shuffle"] is None else args["shuffle"]
-    if not isinstance(shuffle, bool):
-      raise form_error(spec, f"`:shuffle` is {shuffle!r}, expected true or false",
-                       "write :shuffle true or :shuffle false")
-    stream = positive_int(spec, args, "stream", minimum=0)
-    own_seed = positive_int(spec, args, "seed", minimum=0, maximum=SEED_LIMIT - 1)
+    stream, own_seed = args["stream"], args["seed"]
     # a text file's character tokenizer (tokenizer.json's text), read by `sample`
     self.tokenizer_json: str | None = None
     local = None if remote.is_remote(self.uri) else _local(spec, self.uri)
@@ -115,7 +98,7 @@ class TextLoader(base.Loader):
     self.folder = None if self.tokenizer_json is not None else local
     self.eos = int(self.manifest["tokenizer"]["eos_id"])
     self.vocab = int(self.manifest["tokenizer"]["vocab"])
-    if args["vocab"] and positive_int(spec, args, "vocab") < self.vocab:
+    if args["vocab"] and args["vocab"] < self.vocab:
       raise load_error("E-LOAD-003", spec, self.uri,
                        f"the cache's tokenizer has {self.vocab} tokens, more than :vocab "
                        f"{args['vocab']}",
@@ -405,3 +388,13 @@ def _manifest(spec: LoaderSpec, uri: str, folder: str) -> dict[str, Any]:
     raise load_error("E-LOAD-002", spec, uri, "the cache holds no shard yet",
                      "run `sexpgpu tokenize` to the end")
   return manifest
+
+
+TEXT = LoaderDef(
+    "text", "a `sexpgpu tokenize` cache in rows of packed documents (:tokens :segments "
+    ":positions); a text file instead is one document of characters, as `tokenize --chars` "
+    "makes them",
+    (key("path"), key("seq", required=True), key("batch", required=True),
+     key("pack", default="concat", choices=PACKS), key("split"), key("shuffle"), key("stream"),
+     key("seed"), key("vocab", default=0, lo=0), key("offsets", choices=OFFSETS),
+     key("split-by", choices=SPLIT_BY)), TextLoader)

@@ -21,7 +21,10 @@ from sexpgpu.lang.blame import is_std, walk_forms
 from sexpgpu.reader import Atom, Form, Symbol
 
 
-@builtin("assert")
+@builtin("assert", '(assert COND "message" :fix "how")',
+         "nothing when the static COND holds; else E-ARG-001 with the message and fix, told at "
+         "the call of the function around it written in the user's files (at the keyword's "
+         "value when COND names that keyword), never inside std")
 def _assert(b: Builder, call: Call) -> None:
   if len(call.args) != 2 or not isinstance(call.args[1], str) or isinstance(call.args[1], Symbol):
     raise SxError("E-FORM-001", f"assert takes a condition and a message, given "
@@ -74,21 +77,23 @@ def _short(form: Form, width: int = 60) -> str:
   return text if len(text) <= width else text[:width - 4] + " ...)"
 
 
-def _predicate(name: str, test):
+def _predicate(name: str, doc: str, test):
   def fn(b: Builder, call: Call) -> bool:
     if len(call.args) != 1 or call.kw:
       raise SxError("E-FORM-001", f"{name} takes one value", location=call.loc,
                     fix=f"({name} X)")
     return bool(test(call.args[0]))
-  BUILTINS[name] = Builtin(name, fn)
+  BUILTINS[name] = Builtin(name, fn, f"({name} V)", "static: whether V is " + doc)
 
 
 def _is_number(v: Any) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-_predicate("bool?", lambda v: isinstance(v, bool))
-_predicate("number?", _is_number)
-_predicate("int?", lambda v: isinstance(v, int) and not isinstance(v, bool))
-_predicate("string?", lambda v: isinstance(v, str) and not isinstance(v, Symbol))
-_predicate("fn?", lambda v: isinstance(v, (Closure, Builtin)))
+_predicate("bool?", "true or false", lambda v: isinstance(v, bool))
+_predicate("number?", "a finite int or float (not a boolean)", _is_number)
+_predicate("int?", "an integer (not a boolean)",
+           lambda v: isinstance(v, int) and not isinstance(v, bool))
+_predicate("string?", "a string", lambda v: isinstance(v, str) and not isinstance(v, Symbol))
+_predicate("fn?", "a function (a defn, fn or primitive)",
+           lambda v: isinstance(v, (Closure, Builtin)))

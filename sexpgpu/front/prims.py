@@ -20,9 +20,11 @@ from sexpgpu.reader import Symbol
 BUILTINS: dict[str, Builtin] = {}
 
 
-def builtin(name: str):
+def builtin(name: str, usage: str = "", doc: str = ""):
+  """Registers the decorated `(builder, call) → value` as builtin `name`; one that is no op
+  of the IR declares how it is written and its doc line, for the reference."""
   def deco(fn: Callable[[Builder, Call], Any]):
-    BUILTINS[name] = Builtin(name, fn)
+    BUILTINS[name] = Builtin(name, fn, usage, doc)
     return fn
   return deco
 
@@ -197,20 +199,20 @@ for _op in ("sum", "mean", "max-of", "min-of", "logsumexp", "argmax"):
 
 
 # --- shapes ------------------------------------------------------------------
-@builtin("dim")
+@builtin("dim", "(dim X AXIS)", "a static size")
 def _dim(b, call):
   _arity(call, 2, 2, "(dim X AXIS)")
   x = _tensor(b, call, 0)
   return x.shape[_axis(_static_int(call, 1, "the axis"), len(x.shape), call, 1)]
 
 
-@builtin("shape")
+@builtin("shape", "(shape X)", "a static vector")
 def _shape(b, call):
   _arity(call, 1, 1, "(shape X)")
   return tuple(_tensor(b, call, 0).shape)
 
 
-@builtin("rank")
+@builtin("rank", "(rank X)", "the static number of axes")
 def _rank(b, call):
   _arity(call, 1, 1, "(rank X)")
   return len(_tensor(b, call, 0).shape)
@@ -273,7 +275,7 @@ def _slice(b, call):
   return _slice_node(b, call, x, axis, start, end)
 
 
-@builtin("split")
+@builtin("split", "(split X N AXIS)", "N equal parts along an axis, as a vector")
 def _split(b, call):
   _arity(call, 2, 3, "(split X N AXIS)")
   x = _tensor(b, call, 0)
@@ -374,7 +376,7 @@ def _causal_mask(b, call):
   return b.op("causal-mask", [x], {}, call)
 
 
-@builtin("nil?")
+@builtin("nil?", "(nil? V)", "static: whether V is nil")
 def _is_nil(b, call):
   _arity(call, 1, 1, "(nil? X)")
   return call.args[0] is None
@@ -448,8 +450,10 @@ def _filled(value):
   return fn
 
 
-BUILTINS["zeros"] = Builtin("zeros", _filled(0.0))
-BUILTINS["ones"] = Builtin("ones", _filled(1.0))
+BUILTINS["zeros"] = Builtin("zeros", _filled(0.0), "(zeros SHAPE :dtype D)",
+                            "a tensor of zeros; as :init, zeros")
+BUILTINS["ones"] = Builtin("ones", _filled(1.0), "(ones SHAPE :dtype D)",
+                           "a tensor of ones; as :init, ones")
 
 
 @builtin("full")
@@ -485,8 +489,13 @@ def _init(kind: str):
   return fn
 
 
-for _k in ("normal", "truncated-normal", "uniform", "fan-in", "constant"):
-  BUILTINS[_k] = Builtin(_k, _init(_k))
+for _k, _usage, _doc in (
+    ("normal", "(normal STD)", "initializer"),
+    ("truncated-normal", "(truncated-normal STD)", "initializer"),
+    ("uniform", "(uniform LIMIT)", "initializer"),
+    ("fan-in", "(fan-in SCALE)", "initializer: normal, std SCALE/sqrt(fan-in)"),
+    ("constant", "(constant V)", "initializer or learning rate")):
+  BUILTINS[_k] = Builtin(_k, _init(_k), _usage, _doc)
 
 # each optimizer's and schedule's keywords, read from their one declaration
 OPTIMIZERS = {name: o.keywords for name, o in optimizers.OPTIMIZERS.items()}
@@ -523,10 +532,12 @@ def _schedule(name: str, allowed: tuple[str, ...]):
 
 
 for _name, _allowed in OPTIMIZERS.items():
-  BUILTINS[_name] = Builtin(_name, _optimizer(_name, _allowed))
+  BUILTINS[_name] = Builtin(_name, _optimizer(_name, _allowed), f"({_name} :lr LR ...)",
+                            "optimizer: " + optimizers.OPTIMIZERS[_name].doc)
 for _name, _allowed in SCHEDULES.items():
   if optimizers.SCHEDULES[_name].written:
-    BUILTINS[_name] = Builtin(_name, _schedule(_name, _allowed))
+    BUILTINS[_name] = Builtin(_name, _schedule(_name, _allowed), f"({_name} :peak P ...)",
+                              "learning-rate schedule: " + optimizers.SCHEDULES[_name].doc)
 
 # dtype names evaluate to themselves, for (cast x bf16) and :dtype
 DTYPE_VALUES = {name: Symbol(name) for name in DTYPES}

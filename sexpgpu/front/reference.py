@@ -9,7 +9,11 @@ from sexpgpu.front.prims import builtin
 from sexpgpu.ir import reference as ref
 
 
-@builtin("reference")
+@builtin("reference", "(reference X)",
+         "X as the model the run started from computes it (DPO's reference): each parameter X "
+         "reads replaced by a frozen copy of its starting value, `reference/PATH` (no gradient, "
+         "no optimizer state, not in checkpoints: a resume reads `:init-from` again, E-REF-001 "
+         "when it changed), without dropout")
 def reference(b: Builder, call: Call):
   """`(reference X)`: the value X, recomputed with every parameter it reads replaced by that
   parameter's starting value, a constant of the step (no gradient, no optimizer state, not

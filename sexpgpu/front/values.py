@@ -51,10 +51,20 @@ class Closure:
 
 @dataclasses.dataclass(eq=False)
 class Builtin:
-  """A primitive or library function implemented in Python."""
+  """A primitive or library function implemented in Python.
+
+  Attributes:
+    name: the name it is called by.
+    fn: `(builder, call) → value`.
+    usage: how it is written, for the reference (`(dim X AXIS)`); an op's comes from its
+      declaration (ir/ops.py), so only a builtin that is no op declares one.
+    doc: one line for the reference.
+  """
 
   name: str
   fn: Callable[..., Any]
+  usage: str = ""
+  doc: str = ""
 
   def __repr__(self) -> str:
     return f"<builtin {self.name}>"
