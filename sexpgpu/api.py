@@ -172,7 +172,9 @@ class Experiment:
     b.chain = [name]
     out = b.apply(fn, list(ins), {}, None, open_scope=True)
     graph = Graph(name, {f"arg{i}": n for i, n in enumerate(ins)}, {"out": out}, dict(b.used))
-    ctx = LowerCtx(precision or str(self._c.exp.run["precision"]), None, False)
+    from sexpgpu.lower.fp8 import patterns
+    ctx = LowerCtx(precision or str(self._c.exp.run["precision"]), None, False,
+                   fp8_only=patterns(self._c.exp.run))
     f = jax.jit(lambda p, xs: run_graph(graph, p, xs, ctx)["out"])
     return f({k: params[k] for k in graph.params},
              {f"arg{i}": a for i, a in enumerate(arrays)})
@@ -199,7 +201,7 @@ class Experiment:
       c = compile_file(c.program.path, c.selection.variant,
                        [(k, _text(v)) for k, v in c.selection.sets], {"steps": steps},
                        ",".join(c.diagnostics) or None, program=c.program)
-    from sexpgpu.run.env import stacking_from_env
+    from sexpgpu.run.flags import stacking_from_env
     from sexpgpu.run.profile import parse_range
     span = parse_range(profile, "profile") if profile is not None else None
     summary = run_compiled(c, RunOptions(c.program.path, device, metrics, status,

@@ -114,6 +114,9 @@ _ENTRIES = (
     Entry("E-PREC-001", "FP8 matmuls asked of a GPU whose compute capability is below 8.9 (the "
           "card and its capability named)",
           "--set precision=bf16 on this card, or an H100, H200, L40S or B200 (8.9 or newer)"),
+    Entry("E-PREC-002", "an :fp8 pattern names a weight whose product FP8 does not take (an "
+          "einsum of three operands, a convolution): it would stay bf16 unsaid",
+          "leave that weight out of :fp8, or write its product as two-operand einsums"),
     Entry("E-MEM-001", "the plan does not fit",
           "lower :batch or the sequence length, use more :microbatches, or a larger card"),
     Entry("E-MEM-002", "a GPU reports no memory statistics, so the plan has nothing to plan "

@@ -23,7 +23,7 @@ UNBUILT: set[str] = set()
 BEYOND_THE_PAGE = {"E-LOAD-005", "E-CKPT-005", "E-CKPT-006", "E-OP-001", "E-OP-002", "E-OP-003", "E-MEM-002", "E-EVAL-001", "E-EVAL-002",
                    "E-EVAL-003", "E-BUNDLE-003", "E-BUNDLE-004", "E-BUNDLE-005",
                    "E-ROLE-001", "E-MUP-001", "E-MUP-002", "E-MUP-003", "E-CHAT-001", "E-CHAT-002", "E-ARG-001",
-                   "E-SAMPLE-002", "E-PARAM-001",
+                   "E-SAMPLE-002", "E-PARAM-001", "E-PREC-002",
                    "E-GEN-001", "E-REF-001", "E-PREC-001"}
 
 

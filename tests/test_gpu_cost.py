@@ -1,4 +1,4 @@
-"""run/gpu_cost.py: the paper plan's GPU step time, its terms, and the published runs it is
+"""run/planning/gpu_cost.py: the paper plan's GPU step time, its terms, and the published runs it is
 held against (benchmarks/plan_vs_published.py), recomputed from the configs."""
 
 import importlib.util
@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from sexpgpu import api
-from sexpgpu.run import gpu_cost, layout_plan
+from sexpgpu.run.planning import gpu_cost
+from sexpgpu.run.planning import layout_plan
 from sexpgpu.run.cuda_check import paper_text
-from sexpgpu.run.layout_plan import Collective
+from sexpgpu.run.planning.layout_plan import Collective
 from sexpgpu.run.links import Hardware
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,3 +108,18 @@ def test_host_devices_keep_the_measured_model(smoke):
   gpu = layout_plan.paper(smoke, "H100", 2)
   assert gpu.chosen.terms is not None and gpu.chosen.time == pytest.approx(
       sum(v for k, v in gpu.chosen.terms.items()))
+
+
+def test_the_plan_charges_fp8_to_the_products_the_patterns_name(smoke):
+  """`:fp8`'s globs reach the plan (layout_plan passes the run's to `charge`): the products
+  they leave out are charged at bf16's rate, and an MoE's expert einsums at FP8's."""
+  graph = smoke.stages[0].graph
+  every = gpu_cost.work(graph, H100, "fp8")
+  mlp = gpu_cost.work(graph, H100, "fp8", ("*/mlp/*",))
+  wide = gpu_cost.work(graph, H100, "bf16")
+  assert every["matmul"] < mlp["matmul"] < wide["matmul"]
+  assert every["kernels"] > mlp["kernels"] > wide["kernels"]  # each quantisation a kernel
+  moe = api.compile(os.path.join(ROOT, "configs", "moe-lm.sx"), variant="smoke")._c
+  g = moe.stages[0].graph
+  experts = gpu_cost.work(g, H100, "fp8", ("*/moe-experts/*",))
+  assert experts["matmul"] < gpu_cost.work(g, H100, "bf16")["matmul"]

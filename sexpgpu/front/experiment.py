@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from sexpgpu.data import KINDS as LOADER_CLASSES, keywords as loader_keywords, takes_file
+from sexpgpu.data import KINDS as LOADERS, keywords as loader_keywords, takes_file
 from sexpgpu.data.spec import LoaderSpec, bind_args
 from sexpgpu.errors import Loc, SxError, did_you_mean
 from sexpgpu.front.build import Builder, as_init, describe, is_tensor, parse_params, static_shape
@@ -23,10 +24,24 @@ from sexpgpu.lang.select import RUN_KNOBS, Selection
 from sexpgpu.reader import Atom, Form, Keyword, List, Symbol, Vector
 from sexpgpu.reader.forms import head_symbol
 
-# Each loader kind's keywords, read from the loaders' own tables (sexpgpu.data.KINDS).
-LOADER_KINDS = {kind: loader_keywords(kind) for kind in LOADER_CLASSES}
-# Loader keywords whose symbol is a name, not a variable: `:pack docs`, `:dtype u16`.
-NAME_KEYWORDS = tuple(sorted({k for c in LOADER_CLASSES.values() for k in c.arg_table.choices}))
+
+class _LoaderKeywords(Mapping):
+  """Each loader kind's `:keyword`s, read from its declaration (sexpgpu.data.KINDS) when
+  asked, so that a kind declared there is a kind here."""
+
+  def __getitem__(self, kind: str) -> tuple[str, ...]:
+    if kind not in LOADERS:
+      raise KeyError(kind)
+    return loader_keywords(kind)
+
+  def __iter__(self):
+    return iter(LOADERS)
+
+  def __len__(self) -> int:
+    return len(LOADERS)
+
+
+LOADER_KINDS = _LoaderKeywords()
 DIAG_KINDS = ("grad-norm", "param-norm", "update-ratio", "tap")
 REDUCERS = ("mean", "max", "min", "sum", "rms")
 
@@ -284,10 +299,13 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
                   fix=(did_you_mean(str(kind), LOADER_KINDS) + " " if kind else "")
                   + "kinds: " + " ".join(LOADER_KINDS))
   pos, kws, locs = split_keywords(spec, 1, LOADER_KINDS[kind], f"loader kind {kind}")
-  args = {k: (_field_names(f) if k == "fields" else _symbol_name(f) if k in NAME_KEYWORDS
-              else kw.static(b, f, env, f"loader {name} :{k}"))
+  decl = LOADERS[kind]
+  # a "names" keyword's symbols are field names, a "choice" keyword's symbol a name
+  # (`:pack docs`, `:dtype u16`), not variables
+  args = {k: (_field_names(f) if decl.key(k).kind == "names" else _symbol_name(f)
+              if decl.key(k).kind == "choice" else kw.static(b, f, env, f"loader {name} :{k}"))
           for k, f in kws.items()}
-  if kind == "mix":
+  if "components" in decl.required:
     comps = []
     for p in pos:
       if not (isinstance(p, List) and len(p.items) == 2):
@@ -320,9 +338,8 @@ def _loader_spec(b: Builder, name: str, spec: List, env: Env, program: Program,
                   location=pos[0].loc, fix=f"({kind} :seq 16 :batch 4 ...)")
   if "dtype" in args:
     args["dtype"] = str(args["dtype"])
-  # the loader's own check of its required keywords, as make_loader runs it
-  bind_args(LoaderSpec(name, str(kind), args, program.base_dir, spec.loc),
-            LOADER_CLASSES[kind].arg_table)
+  # the loader's own checks of its keywords, from its declaration, as make_loader runs them
+  bind_args(LoaderSpec(name, str(kind), args, program.base_dir, spec.loc), decl)
   return LoaderDecl(name, str(kind), args, program.base_dir, spec.loc)
 
 
@@ -521,6 +538,7 @@ def _run(top: TopLevel, form: List, env: Env):
       run[k] = str(v)
   run["trainable"] = tuning.trainable(b, kws.get("trainable"), env)
   run["lora"] = tuning.lora(b, kws.get("lora"), env)
+  run["fp8"] = tuning.fp8(b, kws.get("fp8"), env, run["precision"])
   optimizer = mup.settle(optimizer, run, kws, lambda f: b.eval(f, env), form.loc)  # μP
   return loss, data, optimizer, run, form.loc
 

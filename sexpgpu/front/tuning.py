@@ -1,4 +1,4 @@
-"""`defrun`'s fine-tuning keywords: `:trainable` patterns and the `(lora ...)` form."""
+"""`defrun`'s keywords of patterns and forms: `:trainable`, `:fp8` and `(lora ...)`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,30 @@ def trainable(b: Builder, form: Form | None, env: Env) -> Spec | None:
                   fix=":trainable [\"*/lm_head/*\" \"*/norm/*\"] (`check --print params` lists "
                   "the paths)")
   return Spec("trainable", "trainable", (("patterns", v),), form.loc)
+
+
+def fp8(b: Builder, form: Form | None, env: Env, precision: str) -> Spec | None:
+  """`:fp8 ["glob" ...]` as a Spec holding its patterns (matched in lower/fp8.py against the
+  weights the products read).
+
+  Raises:
+    SxError: E-RUN-002 at the value when it is no non-empty vector of non-empty strings, or
+      when the run's precision is not fp8 (the patterns would name nothing that runs).
+  """
+  if form is None:
+    return None
+  v = b.eval(form, env)
+  if not (isinstance(v, tuple) and v and all(isinstance(p, str) and p for p in v)):
+    raise SxError("E-RUN-002", f":fp8 is {describe(v)}; it is a vector of glob patterns over "
+                  "parameter paths", location=form.loc,
+                  fix=":fp8 [\"*/mlp/*\"] (the products whose weights these name run in "
+                  "float8; `check --print params` lists the paths)")
+  if precision != "fp8":
+    raise SxError("E-RUN-002", f":fp8 names products to run in float8, but the run's precision "
+                  f"is {precision}", location=form.loc,
+                  fix=":precision fp8 beside :fp8 (or --set precision=fp8), or leave :fp8 out "
+                  "of a bf16 or f32 run")
+  return Spec("fp8", "fp8", (("patterns", v),), form.loc)
 
 
 def lora(b: Builder, form: Form | None, env: Env) -> adapters.Lora | None:

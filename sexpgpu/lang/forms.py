@@ -154,6 +154,13 @@ _DEFRUN_KEYS = (
                      "[\"*/lm_head/*\"]: only those parameters get gradients and optimizer "
                      "state, the others are constants of the step (`check --print params` "
                      "marks each trained or frozen)")),
+    ("fp8", _k("patterns", doc="under :precision fp8, a vector of glob patterns over "
+               "parameter paths, such as [\"*/mlp/*\"]: only the products whose weight one "
+               "names run in float8 (a matmul's, or a two-operand einsum's such as an MoE's "
+               "experts; the readout too, when named), instead of every hidden matrix's; a "
+               "pattern naming no product's weight is E-RUN-002, one naming a product FP8 "
+               "does not take E-PREC-002, :fp8 under another precision E-RUN-002 (the "
+               "lowering report lists the products)")),
     ("lora", _k("form", doc="(lora :rank R :alpha A :dropout D :targets [\"*/q_proj/w\" ...]): "
                 "a low-rank adapter beside each matmul whose weight a target names, x·W + "
                 "(A/R)·(x·a)·b, a with a fan-in init and b zeros, at `PATH.lora_a` and "
@@ -178,8 +185,9 @@ _TOP = (
             "a named set of knob values (--variant NAME)", phase="select", defines="variant"),
     FormDef("def", "(def NAME EXPR)", "a static value computed from knobs", binds=True,
             std_spaced=True),
-    FormDef("defn", "(defn NAME [PARAMS :kw DEFAULT ...] BODY...)",
-            "a function; keyword parameters with defaults follow the positional ones",
+    FormDef("defn", '(defn NAME [PARAMS :kw DEFAULT ...] ["doc"] BODY...)',
+            "a function; keyword parameters with defaults follow the positional ones; a "
+            "string first in a body of more forms is its doc line (std's are the reference's)",
             binds=True, std_spaced=True),
     FormDef("defparam", "(defparam NAME SHAPE :init INIT [:dtype f32])",
             "a parameter shared by name wherever it is used (tied embeddings)",

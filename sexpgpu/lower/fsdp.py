@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.lower import fp8
 from sexpgpu.lower.attention import under_rank_vmap
 from sexpgpu.lower.interp import NOT_HANDLED, arguments, lowered, repeat_value, run_graph
 from sexpgpu.lower.registry import lowering
@@ -136,7 +137,9 @@ class ShardedTrainStep(TrainStep):
     if not (self.dispatch or self.ends) or any(d.kind == "tap" for d in self.diags):
       return super()._loss_and_grad(params, batch, step, index)
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
-    ctx = LowerCtx(self.precision, rng, True, self.notes, self.platform)
+    ctx = LowerCtx(self.precision, rng, True, self.notes, self.platform, fp8_only=self.fp8_only)
+    if ctx.precision == "fp8":  # the rule lowers products itself: it needs the selection
+      ctx = dataclasses.replace(ctx, fp8=fp8.selected(self.graph, ctx.fp8_only))
 
     def loss_fn(p):
       return run_graph(self.graph, p, batch, ctx, None, self._rule(p, batch, ctx))["out"].astype(
@@ -206,6 +209,8 @@ class ShardedTrainStep(TrainStep):
     an all-reduce and slices it on host devices (no reduce-scatter pass on the CPU)."""
     x, w = args[0], args[1]
     lower, attrs = lowering(node.op, ctx.platform), dict(node.attrs)
+    if node.uid in ctx.fp8:  # an FP8 product: each device's half scaled by its own amax
+      lower = fp8.matmul_rule
     seq, rank = x.ndim - 2, x.ndim + w.ndim - 2
 
     def on(ndim, axis):

@@ -320,7 +320,9 @@ class Scorer:
                                   packed=self.packed)
       self.vocab = graph.outputs["out"].shape[-1]
       check_memory(self.batch, self.window, self.vocab)
-      ctx = LowerCtx(str(self.c.exp.run["precision"]), None, False, [], None)
+      from sexpgpu.lower.fp8 import patterns
+      ctx = LowerCtx(str(self.c.exp.run["precision"]), None, False, [], None,
+                     fp8_only=patterns(self.c.exp.run))
       packed = self.packed
 
       def f(params, tokens, segments, positions, targets):

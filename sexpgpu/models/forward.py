@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.lower.fp8 import patterns
 from sexpgpu.lower.interp import run_graph
 from sexpgpu.models import source
 
@@ -23,7 +24,8 @@ def forward(c, fn: str, t: int, batch: int = 1, precision: str | None = None) ->
     precision: "f32" or "bf16" (default: the run's :precision).
   """
   graph = source.logits_graph(c, fn, t, batch)
-  ctx = LowerCtx(precision or str(c.exp.run["precision"]), None, False, [], None)
+  ctx = LowerCtx(precision or str(c.exp.run["precision"]), None, False, [], None,
+                 fp8_only=patterns(c.exp.run))
 
   def f(params, tokens):
     out = run_graph(graph, params, {"tokens": tokens}, ctx)["out"]

@@ -88,7 +88,8 @@ class Program:
     from sexpgpu.lower.interp import run_graph
     self.fn = fn
     self.graph = g = graph(c, fn)
-    ctx = LowerCtx(str(c.exp.run["precision"]), None, False)
+    from sexpgpu.lower.fp8 import patterns
+    ctx = LowerCtx(str(c.exp.run["precision"]), None, False, fp8_only=patterns(c.exp.run))
     self._f = jax.jit(lambda prm, key: run_graph(g, prm, {}, dataclasses.replace(ctx, rng=key)))
     self._compiled = None  # at the first call, so a caller can time the calls apart
 

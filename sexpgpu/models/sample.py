@@ -268,7 +268,9 @@ def decoder(c, fn: str, longest_prompt: int, s: Settings, path: str | None = Non
     chosen, pl, why = "recompute", None, "asked for"
   if chosen == "incremental":
     from sexpgpu.ir.ops import LowerCtx
-    ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None)
+    from sexpgpu.lower.fp8 import patterns
+    ctx = LowerCtx(str(c.exp.run["precision"]), None, False, [], None,
+                   fp8_only=patterns(c.exp.run))
     prefill = min(pl.window, -(-longest_prompt // PREFILL_STEP) * PREFILL_STEP)
     return Decoder(prefill, chosen, why, incremental_decoder(pl, ctx, s))
   return Decoder(w, chosen, why, recompute_decoder(forward.forward(c, fn, w), w, s))

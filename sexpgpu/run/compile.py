@@ -133,6 +133,8 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
       graphs[mname] = rewrite(lora.apply(g, adapters, strict=False), patterns)[0]
     passes[pname] = graphs
   mup.apply_stages(stages, passes, exp.optimizer)  # μP's initializers and output multiplier
+  from sexpgpu.lower.fp8 import check_patterns
+  check_patterns([s.graph for s in stages], exp.run)  # :fp8's globs, for every command
   params = dict(stages[0].graph.params)
   ir = "\n\n".join(print_graph(s.graph, with_locs=False) for s in stages)
   ir += "".join("\n\n" + print_graph(g, with_locs=False) for gs in passes.values()
@@ -143,6 +145,8 @@ def compile_file(path: str, variant: str | None = None, sets: list[tuple[str, st
                     if k not in NOT_IN_FINGERPRINT)
   if exp.run.get("trainable") is not None:  # what trains is the trajectory (and the state's tree)
     knobs += "\ntrainable=" + " ".join(exp.run["trainable"].get("patterns"))
+  if exp.run.get("fp8") is not None:  # which products run in float8 is the trajectory too
+    knobs += "\nfp8=" + " ".join(exp.run["fp8"].get("patterns"))
   shapes = "\n".join(f"{n}:{sorted(f.items())}" for n, f in sorted(fields.items()))
   return Compiled(program, selection, exp, stages, passes, params, fields, loaders,
                   fingerprint(ir + "\n" + knobs), fingerprint(ir + "\n" + shapes),

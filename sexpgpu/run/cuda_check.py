@@ -79,7 +79,7 @@ def fp8_line(c, notes: list) -> str | None:
   if str(c.exp.run["precision"]) != "fp8":
     return None
   from sexpgpu.lower import fp8
-  paths = fp8.selected_paths(c.stages[0].graph)
+  paths = fp8.selected_paths(c.stages[0].graph, fp8.patterns(c.exp.run))
   n = sum(1 for x in notes if x.get("kind") == "fp8")
   shown = ", ".join(paths[:4]) + (f", … ({len(paths)} parameters)" if len(paths) > 4 else "")
   return _line("fp8", f"{n} products traced in float8 (e4m3 forward, e5m2 gradients, per-tensor "
@@ -88,7 +88,7 @@ def fp8_line(c, notes: list) -> str | None:
 
 def paper_text(c, gpu: str | None, devices: int, nodes: int) -> str:
   """The plan of a run on `devices` GPUs (`--gpu`, H100 unless named) over `nodes` nodes."""
-  from sexpgpu.run import layout_plan
+  from sexpgpu.run.planning import layout_plan
   check_fp8(c, gpu)
   gpu = (gpu or "H100").upper()
   if gpu not in ("A100", "H100", "H200", "B200"):
@@ -193,7 +193,7 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
   """
   from sexpgpu.lower.cuda_target import cudnn_source
   from sexpgpu.lower.flops import train_flops
-  from sexpgpu.run.devices import microbatches_divide, open_devices, parse_device_list
+  from sexpgpu.run.backend import microbatches_divide, open_devices, parse_device_list
   from sexpgpu.run.training import build
   run = c.exp.run
   check_fp8(c, gpu)
@@ -203,7 +203,7 @@ def cuda_text(c, gpu: str | None = None, what: str | None = None) -> str:
   layout = None
   if str(run.get("sharding", "")) == "auto":  # chosen on paper for these ranks as GPUs
     from sexpgpu.reader.forms import Symbol
-    from sexpgpu.run import layout_plan
+    from sexpgpu.run.planning import layout_plan
     layout = layout_plan.paper(c, (gpu or "H100").upper() if (gpu or "H100").upper() in
                                ("A100", "H100", "H200", "B200") else "H100", place.ranks, 1)
     run["sharding"] = Symbol(layout.chosen.text)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sexpgpu.ir.shapes import np_dtype
+from sexpgpu.lower import fp8
 from sexpgpu.lower.init import compile_init, compile_init_soon, init_params
 from sexpgpu.lower.optim import make_optimizer
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
@@ -73,6 +74,7 @@ class Training:
       self.node_gradients = "f32"
     self._steps: dict[tuple[int, int], TrainStep] = {}
     self.trainable = trainable(self.c)
+    self.fp8_only = fp8.patterns(run)  # `:fp8`'s globs (held to the loss by compile_file)
     self._init_soon = None  # (stage, the future of its initial state's executable)
 
   def trained(self, params: dict) -> dict:
@@ -104,7 +106,7 @@ class Training:
               self.on_nan, self.diags, place.mesh if place else None, self.node_gradients,
               place.first.platform if place else None)
       if self.sharding == "replicate":
-        self._steps[key] = TrainStep(*args, trainable=self.trainable)
+        self._steps[key] = TrainStep(*args, trainable=self.trainable, fp8_only=self.fp8_only)
       else:
         stacks = {path: len(p.stack) for path, p in self.c.params.items()}
         layout, held, graph = None, {}, self.c.stages[stage].graph
@@ -120,7 +122,8 @@ class Training:
                           inner=pairs.inner)
           args = args[:9] + (make_mesh(place.devices, self.mesh),) + args[10:]
         self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks,
-                                            layout=layout, trainable=self.trainable, **held)
+                                            layout=layout, trainable=self.trainable,
+                                            fp8_only=self.fp8_only, **held)
     return self._steps[key]
 
   def place_state(self, state: dict, stage: int = 0) -> dict:
@@ -289,5 +292,6 @@ def build(c, place=None, node_gradients: str = "f32", diagnostics: bool = True) 
     diags = tuple(Diag(n, d.kind, d.arg, d.reduce) for n, d in
                   ((n, c.exp.diagnostics[n]) for n in c.diagnostics))
   precision = str(c.exp.run["precision"])
-  passes = {p: PassStep(gs, precision) for p, gs in c.passes.items()}
+  passes = {p: PassStep(gs, precision, fp8_only=fp8.patterns(c.exp.run))
+            for p, gs in c.passes.items()}
   return Training(c, place, node_gradients, diags, passes)
