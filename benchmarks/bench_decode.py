@@ -70,7 +70,7 @@ TARGETS = {"hand": 0.9, "recompute": 5.0}
 
 def _cpu_flags() -> None:
   """sexpgpu's XLA CPU flags, before the backend starts (as `sexpgpu sample` runs)."""
-  from sexpgpu.run.devices import cpu_flags
+  from sexpgpu.run.backend import cpu_flags
   cpu_flags()
 
 

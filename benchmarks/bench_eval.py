@@ -145,7 +145,7 @@ def main() -> int:
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--json", help="write the measurements here")
   a = ap.parse_args()
-  from sexpgpu.run.devices import cpu_flags
+  from sexpgpu.run.backend import cpu_flags
   cpu_flags()  # sexpgpu's XLA CPU flags, before the backend starts, as a run sets them
   with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
     c, params, tok = build(a.shape, tmp)

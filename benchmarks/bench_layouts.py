@@ -50,7 +50,7 @@ def bench_shape(shape: str, rounds: int, steps: int, place) -> dict:
   import jax
   import numpy as np
   from sexpgpu.ir.shapes import np_dtype
-  from sexpgpu.run import layout_choice
+  from sexpgpu.run.planning import layout_choice
   from sexpgpu.run.training import build
   c = _compile(shape, "auto")
   with tempfile.TemporaryDirectory() as cache:
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   sys.path.insert(0, ROOT)
-  from sexpgpu.run.devices import open_devices
+  from sexpgpu.run.backend import open_devices
   place = open_devices("cpu", [0, 1, 2, 3])
   results = {}
   for shape in SHAPES:

@@ -16,7 +16,7 @@ gradient norm is not finite leaves the state as it was (`:on-nan`). The
 `jax-bare` and `torch-bare` legs are the same loops without that: the loss
 only, the update always applied.
 `jax-kept` is the `jax` loop with the host allocator setting sexpgpu makes for
-the shape (`sexpgpu.run.devices.keep_host_memory`, when
+the shape (`sexpgpu.run.backend.keep_host_memory`, when
 `run.loop.wants_kept_host_memory`): the same compiled step on the same
 allocator, so sexpgpu/jax-kept is sexpgpu's own overhead.
 
@@ -311,7 +311,7 @@ def run_leg(leg: str, shape_name: str, total: int, init_path: str, jax_scan: boo
   elif leg in ("jax", "jax-kept", "jax-bare"):
     if leg == "jax-kept":  # sexpgpu's choice for this shape, before the backend starts
       import sexpgpu
-      from sexpgpu.run.devices import keep_host_memory
+      from sexpgpu.run.backend import keep_host_memory
       from sexpgpu.run.loop import wants_kept_host_memory
       if wants_kept_host_memory(sexpgpu.compile(SX, set=shape)._c):
         keep_host_memory()
@@ -332,7 +332,7 @@ def _subprocess(leg, shape_name, total, init_path, jax_scan) -> dict:
       [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
   # The hand-written JAX leg gets the XLA CPU flags sexpgpu sets for itself, so (a)/(b)
   # compares the two programs on the same compiler settings.
-  from sexpgpu.run.devices import CPU_XLA_FLAGS
+  from sexpgpu.run.backend import CPU_XLA_FLAGS
   if "xla_cpu_experimental_ynn_fusion_type" not in env.get("XLA_FLAGS", ""):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + CPU_XLA_FLAGS).strip()
   r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)

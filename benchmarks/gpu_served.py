@@ -58,7 +58,7 @@ def one(spec: str, check: subprocess.Popen) -> bool:
   """Compiles one configuration on the GPU, against its running check; prints its PASS/FAIL
   line."""
   from sexpgpu.run.compile import compile_file
-  from sexpgpu.run.devices import open_devices
+  from sexpgpu.run.backend import open_devices
   from sexpgpu.run.training import build
   path, variant, sets, name = _parse(spec)
   t0 = time.perf_counter()

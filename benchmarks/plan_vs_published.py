@@ -4,7 +4,7 @@ throughput and the plan's prediction side by side.
 
   python benchmarks/plan_vs_published.py            # the table, as in benchmarks/README.md
 
-Nothing here is fitted to a row: the plan's parameters are run/gpu_cost.py's datasheet and
+Nothing here is fitted to a row: the plan's parameters are run/planning/gpu_cost.py's datasheet and
 microbenchmark figures. tests/test_gpu_cost.py recomputes the table from the configs.
 """
 
@@ -94,7 +94,7 @@ def predict(row: Row) -> dict:
   """The plan's prediction for a row: {"tokens/s a GPU", "MFU", "step", "terms", "layout"}."""
   sys.path.insert(0, ROOT)
   from sexpgpu import api
-  from sexpgpu.run import layout_plan
+  from sexpgpu.run.planning import layout_plan
   c = api.compile(os.path.join(ROOT, row.config), set=row.sets)._c
   choice = layout_plan.paper(c, row.gpu, row.devices, row.nodes)
   t = choice.chosen.time

@@ -54,7 +54,7 @@ def test_a_second_failure_stops_with_e_mem_001_and_the_checkpoint_intact(monkeyp
 
 
 def test_a_degree_that_runs_out_of_memory_while_measured_is_not_chosen(monkeypatch, tmp_path):
-  import sexpgpu.run.plan as plan
+  import sexpgpu.run.planning.plan as plan
   monkeypatch.setattr(plan, "predict", lambda *a, **k: 0.001)  # a tie: measure at step 1
   monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
   real = TrainStep.__call__

@@ -140,8 +140,8 @@ def _init_params(c):
 # --- check --target cuda -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_bf16():
-  from sexpgpu.run.check import check
-  return check(GPT2, target="cuda", gpu="H100")
+  from sexpgpu.run.check import CheckOptions, check
+  return check(GPT2, opts=CheckOptions(target="cuda", gpu="H100"))
 
 
 def test_check_target_cuda_gpt2_small_bf16_is_cudnn(gpt2_bf16):
@@ -162,29 +162,29 @@ def test_check_target_cuda_gpt2_small_bf16_is_cudnn(gpt2_bf16):
 
 
 def test_check_target_cuda_print_hlo_is_the_cuda_stablehlo():
-  from sexpgpu.run.check import check
-  text = check(GPT2, "smoke", what="hlo", target="cuda")
+  from sexpgpu.run.check import CheckOptions, check
+  text = check(GPT2, "smoke", what="hlo", opts=CheckOptions(target="cuda"))
   assert "stablehlo" in text
   assert cuda_target.custom_calls(text) == {"__gpu$xla.gpu.triton": 4}
 
 
 def test_check_target_refuses_unknown_targets_and_cards():
-  from sexpgpu.run.check import check
+  from sexpgpu.run.check import CheckOptions, check
   for kw, flag in ((dict(target="rocm"), "--target"), (dict(target="cuda", gpu="V100"), "--gpu")):
     with pytest.raises(SxError) as e:
-      check(GPT2, **kw)
+      check(GPT2, opts=CheckOptions(**kw))
     assert e.value.code == "E-FORM-001" and e.value.where == flag
 
 
 def test_a_step_that_cannot_lower_for_cuda_names_the_attention(monkeypatch):
-  from sexpgpu.run.check import check
+  from sexpgpu.run.check import CheckOptions, check
   monkeypatch.setattr(attention, "_cudnn_refusal", lambda *a: None)
 
   def refuse(*a):
     raise NotImplementedError("Unsupported sequence length Q 64, KV 64.\nmore")
   monkeypatch.setattr(attention, "_cudnn", refuse)
   with pytest.raises(SxError) as e:
-    check(GPT2, "smoke", sets=[("precision", "bf16")], target="cuda")
+    check(GPT2, "smoke", sets=[("precision", "bf16")], opts=CheckOptions(target="cuda"))
   err = e.value
   assert err.code == "E-DEV-001"
   assert str(err.location) == GPT2_ATTENTION
@@ -195,10 +195,10 @@ def test_a_step_that_cannot_lower_for_cuda_names_the_attention(monkeypatch):
 # --- whole steps on 2 ranks: replicate, fsdp and hsdp, bf16 and f32, packed documents ------
 _TWO_RANKS = """
 import json, sys
-from sexpgpu.run.check import check
+from sexpgpu.run.check import CheckOptions, check
 out = {}
 for name, path, variant, sets in json.loads(sys.argv[1]):
-  out[name] = check(path, variant, [tuple(s) for s in sets], target="cuda")
+  out[name] = check(path, variant, [tuple(s) for s in sets], opts=CheckOptions(target="cuda"))
 print(json.dumps(out))
 """
 

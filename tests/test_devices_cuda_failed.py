@@ -4,7 +4,7 @@ instead, and its E-DEV-001 says why (doctor's reading), single node or one node 
 import pytest
 
 import sexpgpu.devices.doctor as doctor
-import sexpgpu.run.devices as devices
+import sexpgpu.run.backend as devices
 from sexpgpu.errors import SxError
 
 

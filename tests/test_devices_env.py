@@ -12,8 +12,8 @@ from sexpgpu.cli.main import main
 from sexpgpu import env
 from sexpgpu.devices import doctor
 from sexpgpu.errors import SxError
-from sexpgpu.run import devices as run_devices
-from sexpgpu.run import env as run_env
+from sexpgpu.run import backend as run_devices
+from sexpgpu.run import flags as run_env
 
 TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
 

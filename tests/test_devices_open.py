@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 import sexpgpu.devices.doctor as doctor
-import sexpgpu.run.devices as devices
+import sexpgpu.run.backend as devices
 from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.errors import SxError
 
@@ -103,7 +103,7 @@ def test_a_variable_that_does_not_parse_is_e_env_001_before_anything_runs(name, 
 
 _FLAGS_AND_CACHE = """
 import json, os, sys
-import sexpgpu.run.devices as devices
+import sexpgpu.run.backend as devices
 tuned = json.loads(sys.argv[1])
 devices.deterministic_flags(tuned)
 flags = os.environ["XLA_FLAGS"]

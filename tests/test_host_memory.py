@@ -16,7 +16,7 @@ from sexpgpu.run.loop import wants_kept_host_memory
 # of a call after warm-up (the heap may still grow once in a while: the steady state counts).
 _PROBE = """
 import json, resource, sys
-from sexpgpu.run import devices
+from sexpgpu.run import backend as devices
 kept = devices.keep_host_memory() if sys.argv[1] == "kept" else False
 import jax, jax.numpy as jnp
 

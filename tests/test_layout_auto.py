@@ -1,4 +1,4 @@
-"""`:sharding auto` (run/layout_plan.py): on 4 host devices the plan chooses a layout that
+"""`:sharding auto` (run/planning/layout_plan.py): on 4 host devices the plan chooses a layout that
 fits, names its runners-up and why the rest were dropped, and choices.json remembers it; a
 mesh that does not divide a size is E-KNOB-003 naming the axis, the size and the sizes that
 would; the paper plan of Llama-3-8B on 8 H100s prints its layout, memory, collectives, MFU."""
@@ -20,8 +20,8 @@ TINY = os.path.join(ROOT, "configs", "tiny-lm.sx")
 _AUTO = """
 import json, os
 from sexpgpu.run.compile import compile_file
-from sexpgpu.run.devices import open_devices
-from sexpgpu.run.layout_choice import resolve
+from sexpgpu.run.backend import open_devices
+from sexpgpu.run.planning.layout_choice import resolve
 from sexpgpu.run.training import build
 place = open_devices("cpu", [0, 1, 2, 3])
 out = {{}}
@@ -138,15 +138,16 @@ def test_auto_is_accepted_by_the_knob_and_refused_unresolved():
 
 
 def test_meshes_cover_every_factorization():
-  from sexpgpu.run.layout_plan import meshes
+  from sexpgpu.run.planning.layout_plan import meshes
   got = {tuple(s for _, s in m) for m in meshes(8, False)}
   assert len(got) == 10 and (8, 1, 1, 1) in got and (1, 1, 1, 8) in got
   assert all(a * b * c * d == 8 for a, b, c, d in got)
 
 
 def test_paper_plan_for_llama3_8b_on_8_h100s():
-  from sexpgpu.run.check import check
-  text = check(LLAMA8, None, [("sharding", "auto")], target="cuda", gpu="H100", devices=8)
+  from sexpgpu.run.check import CheckOptions, check
+  text = check(LLAMA8, None, [("sharding", "auto")],
+               opts=CheckOptions(target="cuda", gpu="H100", devices=8))
   assert text.startswith("plan on paper: llama3-8b")
   assert "8 × H100" in text and "layout      " in text and "runner-up" in text
   assert "dropped   replicate — does not fit" in text  # 8B with Adam is past 80 GiB whole
@@ -157,10 +158,10 @@ def test_paper_plan_for_llama3_8b_on_8_h100s():
 
 def test_paper_flags_need_a_target():
   from sexpgpu.errors import SxError
-  from sexpgpu.run.check import check
+  from sexpgpu.run.check import CheckOptions, check
   with pytest.raises(SxError) as e:
-    check(TINY, "smoke", [], devices=8)
+    check(TINY, "smoke", [], opts=CheckOptions(devices=8))
   assert e.value.code == "E-FORM-001"
   with pytest.raises(SxError) as e:
-    check(TINY, "smoke", [], target="cuda", devices=8, nodes=3)
+    check(TINY, "smoke", [], opts=CheckOptions(target="cuda", devices=8, nodes=3))
   assert e.value.code == "E-FORM-001"

@@ -35,8 +35,8 @@ import json, re, sys, time
 import jax
 import sexpgpu
 from sexpgpu.run.compile import compile_file
-from sexpgpu.run.devices import open_devices
-from sexpgpu.run.plan import collective_lines, spec_lines
+from sexpgpu.run.backend import open_devices
+from sexpgpu.run.planning.plan import collective_lines, spec_lines
 from sexpgpu.run.training import build
 out = {{"losses": {{}}, "seconds": {{}}, "shares": {{}}, "specs": {{}}}}
 runs = [({path!r}, "replicate")] + [({path!r}, l) for l in {layouts!r} for _ in (0, 1)]

@@ -78,7 +78,7 @@ import json, os, sys
 import jax
 from sexpgpu import env
 from sexpgpu.devices import nodes
-from sexpgpu.run.devices import cpu_flags, open_devices
+from sexpgpu.run.backend import cpu_flags, open_devices
 cfg = env.parse_nodes(os.environ, "cpu")
 cpu_flags()
 jax.config.update("jax_num_cpu_devices", 2)

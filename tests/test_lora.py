@@ -260,7 +260,7 @@ import jax
 import sexpgpu
 from test_lora import write, LORA
 from sexpgpu.run.compile import compile_file
-from sexpgpu.run.devices import open_devices
+from sexpgpu.run.backend import open_devices
 from sexpgpu.run.training import build
 path = write({tmp!r}, "sharded.sx", LORA)
 out = {{"losses": {{}}, "specs": {{}}, "shards": {{}}}}

@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT
 from sexpgpu.devices import memory
 from sexpgpu.devices.memory import plan
-from sexpgpu.run.plan import ChoiceCache, choose_stacking, cost_model
-from sexpgpu.run import plan as stacking
+from sexpgpu.run.planning.plan import ChoiceCache, Given, choose_stacking, cost_model
+from sexpgpu.run.planning import plan as stacking
 from sexpgpu.errors import SxError
 
 GPT2 = os.path.join(ROOT, "configs", "gpt2-small.sx")
@@ -177,23 +177,24 @@ ALL = {1: True, 2: True, 4: True}
 
 
 def test_fixed_wins():
-  assert choose_stacking(4, ALL, {4: 1.0, 2: 2.0, 1: 3.0}, None, 4, 2)[:2] == (2, "fixed")
+  fixed = Given(fixed=2, remembered=4)
+  assert choose_stacking(4, ALL, {4: 1.0, 2: 2.0, 1: 3.0}, given=fixed)[:2] == (2, "fixed")
   with pytest.raises(SxError) as e:
-    choose_stacking(4, ALL, {}, None, None, 3)
+    choose_stacking(4, ALL, {}, given=Given(fixed=3))
   assert e.value.code == "E-ENV-001"
 
 
 def test_only_one_fits():
-  d, how, text = choose_stacking(4, {4: False, 2: False, 1: True}, {1: 5.0}, None, None, None)
+  d, how, text = choose_stacking(4, {4: False, 2: False, 1: True}, {1: 5.0})
   assert (d, how, text) == (1, "only", "1: the only one that fits")
 
 
 def test_none_fits():
-  assert choose_stacking(4, {4: False, 2: False, 1: False}, {}, None, None, None)[:2] == (0, "none")
+  assert choose_stacking(4, {4: False, 2: False, 1: False}, {})[:2] == (0, "none")
 
 
 def test_cost_model_choice():
-  d, how, text = choose_stacking(4, ALL, {4: 0.0312, 2: 0.035, 1: 0.0417}, None, None, None)
+  d, how, text = choose_stacking(4, ALL, {4: 0.0312, 2: 0.035, 1: 0.0417})
   assert (d, how) == (4, "model")
   assert text == "4: the cost model (4 31.2 ms; 2 35.0 ms; 1 41.7 ms)"
 
@@ -201,33 +202,34 @@ def test_cost_model_choice():
 def test_close_predictions_are_measured():
   pred = {4: 0.1305, 2: 0.1315, 1: 0.1336}
   assert stacking.to_measure(ALL, pred) == [4, 2, 1]
-  d, how, _ = choose_stacking(4, ALL, pred, None, None, None)
+  d, how, _ = choose_stacking(4, ALL, pred)
   assert how == "measure"
-  d, how, text = choose_stacking(4, ALL, pred, {4: 0.1302, 2: 0.1352, 1: 0.1289}, None, None)
+  d, how, text = choose_stacking(4, ALL, pred, {4: 0.1302, 2: 0.1352, 1: 0.1289})
   assert (d, how) == (1, "measured")
   assert text == ("1: measured at the first step, the model within 5% could not separate them "
                   "(4 130.2 ms, model 130.5 ms; 2 135.2 ms, model 131.5 ms; 1 128.9 ms, model "
                   "133.6 ms)")
-  assert choose_stacking(4, ALL, pred, None, None, None, can_measure=False)[1] == "model"
+  assert choose_stacking(4, ALL, pred, why_not="no room to measure")[1] == "model"
 
 
 def test_close_predictions_of_slow_steps_are_left_to_the_model():
   # three close degrees at ~10 minutes a step (gpt2-small on a CPU): measuring each four
   # times would take two hours, so the model decides and says why
   pred = {4: 600.0, 2: 605.0, 1: 610.0}
-  d, how, text = choose_stacking(4, ALL, pred, None, None, None)
+  d, how, text = choose_stacking(4, ALL, pred)
   assert (d, how) == (4, "model")
   assert "within 5% but measuring would take about 7260 s" in text
   fast = {d: t / 10_000 for d, t in pred.items()}  # the same, at 60 ms a step
-  assert choose_stacking(4, ALL, fast, None, None, None)[1] == "measure"
+  assert choose_stacking(4, ALL, fast)[1] == "measure"
 
 
 def test_remembered_choice():
   pred = {4: 0.1305, 2: 0.1315, 1: 0.1336}
-  d, how, text = choose_stacking(4, ALL, pred, None, 2, None)
+  d, how, text = choose_stacking(4, ALL, pred, given=Given(remembered=2))
   assert (d, how) == (2, "remembered") and "choices.json" in text
   # a remembered degree that no longer fits is ignored
-  assert choose_stacking(4, {4: True, 2: False, 1: True}, pred, None, 2, None)[1] != "remembered"
+  assert choose_stacking(4, {4: True, 2: False, 1: True}, pred,
+                         given=Given(remembered=2))[1] != "remembered"
 
 
 def test_choice_cache_round_trip(tmp_path):

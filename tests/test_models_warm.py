@@ -112,7 +112,7 @@ def test_the_run_refuses_before_any_initializer_and_init_partial_fills_in(source
 
 def test_resume_wins_over_init_from_and_the_flag_and_variable_set_the_knob(source, capsys,
                                                                             monkeypatch):
-  from sexpgpu.run.env import init_from_sets
+  from sexpgpu.run.flags import init_from_sets
   path, params, step_dir, st, hf, tmp = source
   # a source that would not fit: a resume never reads it
   assert main(["run", path, "--resume", step_dir, "--init-from", "nowhere.safetensors",

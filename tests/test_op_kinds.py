@@ -146,7 +146,7 @@ def test_an_opaque_op_written_in_python_is_named_by_decoding():
 # The modules that interpret every op: their walkers find an op's rule in its tables, never
 # by its name. Every module that makes an OpTable is one of them.
 INTERPRETERS = {"lower/flops.py", "lower/layouts.py", "models/decode_rules.py",
-                "run/layout_plan.py", "front/prims.py", "ir/verify.py", "ir/shapes.py",
+                "run/planning/layout_plan.py", "front/prims.py", "ir/verify.py", "ir/shapes.py",
                 "lower/registry.py", "userops.py", "tools/optable.py"}
 
 

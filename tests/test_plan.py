@@ -101,7 +101,7 @@ def test_cost_model_chooses_when_predictions_differ(tmp_path):
 
 @pytest.mark.slow  # three runs as subprocesses
 def test_measured_when_close_then_remembered(monkeypatch, tmp_path):
-  import sexpgpu.run.plan as plan
+  import sexpgpu.run.planning.plan as plan
   monkeypatch.setattr(plan, "predict", lambda *a, **k: 0.001)  # a tie: measure
   monkeypatch.setenv("SEXPGPU_CACHE_DIR", str(tmp_path / "cache"))
   exp = sexpgpu.compile(TINY, variant="smoke", set={"microbatches": 4})
@@ -167,7 +167,7 @@ def test_check_refuses_the_stacking_degree_that_run_refuses(capsys, monkeypatch,
 
 
 def test_check_fixed_names_every_divisor():
-  from sexpgpu.run.plan import check_fixed
+  from sexpgpu.run.planning.plan import check_fixed
   check_fixed(3, 6)
   with pytest.raises(SxError) as e:
     check_fixed(4, 6)

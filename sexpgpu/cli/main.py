@@ -225,7 +225,7 @@ def cmd_run(argv: list[str]) -> int:
   rest = parse_flags(fv, argv, "run")
   given = _one_file(rest, "run")
   _STARTUP["status"] = fv.status if fv.status is not None else env.get("SEXPGPU_STATUS")
-  from sexpgpu.run.env import init_from_sets, run_options
+  from sexpgpu.run.flags import init_from_sets, run_options
   from sexpgpu.run.compile import compile_file
   from sexpgpu.run.loop import run_compiled
   path, variant, sets = given, fv.variant, init_from_sets(fv.init_from, parse_sets(fv.set))
@@ -321,8 +321,8 @@ def cmd_check(argv: list[str]) -> int:
   fv = _check_flags()
   rest = parse_flags(fv, argv, "check")
   path = _one_file(rest, "check")
-  from sexpgpu.run.check import check
-  from sexpgpu.run.env import check_variables
+  from sexpgpu.run.check import CheckOptions, check
+  from sexpgpu.run.flags import check_variables
   device = env.parse_device(fv.device, "--device") if fv.device else env.parse_device(
       env.get("SEXPGPU_DEVICE"))
   check_variables(device, ("SEXPGPU_DEVICE",) if fv.device else ())  # the parsers run uses
@@ -333,9 +333,10 @@ def cmd_check(argv: list[str]) -> int:
     path, variant, sets = bundle_selection(given, variant, sets)
   with bundle_hints(given), python_trust(fv.trust_python, True, "sexpgpu check"):
     text = guarded(path, variant, sets, overrides, fv.diagnostics,
-                   lambda: check(path, variant, sets, fv.diagnostics, fv.print, device,
-                                 overrides, fv.fn, fv.target, fv.gpu, fv.devices, fv.nodes,
-                                 fv.loader))
+                   lambda: check(path, variant, sets, fv.print, CheckOptions(
+                       diagnostics=fv.diagnostics, overrides=overrides, device=device,
+                       fn=fv.fn, loader=fv.loader, target=fv.target, gpu=fv.gpu,
+                       devices=fv.devices, nodes=fv.nodes)))
   first, nl, after = text.partition("\n")
   if given != path and first.startswith("check: ") and " slug " in first:
     text = f"check: {given} slug {first.rsplit(' slug ', 1)[1]}{nl}{after}"  # as given, not

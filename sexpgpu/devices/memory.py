@@ -3,7 +3,7 @@
 The plan reads each executable's `memory_analysis()` (arguments, outputs,
 temporaries, aliases), compiled for abstract inputs only, so nothing is
 allocated to make it. Which stacking degree among those that fit is chosen in
-`sexpgpu.run.plan`.
+`sexpgpu.run.planning.plan`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import re
 from sexpgpu.errors import SxError
 
 AXES = ("data", "fsdp", "tensor", "expert")
-AUTO = "auto"  # the plan chooses the mesh (sexpgpu/run/layout_plan.py)
+AUTO = "auto"  # the plan chooses the mesh (sexpgpu/run/planning/layout_plan.py)
 _MESH = re.compile(r"[a-z]+:\d+(,[a-z]+:\d+)*")
 
 

@@ -199,7 +199,7 @@ BACKWARD.register(_each_input, "linear-recurrence")
 BACKWARD.register("passes no gradient", "stop-gradient")
 
 # op name → which of its inputs the backward reads (kept from the forward for it), or the
-# reason it reads none (a sum, a view, a comparison): run/layout_plan.py counts them as a
+# reason it reads none (a sum, a view, a comparison): run/planning/layout_plan.py counts them as a
 # step's activations. Products, losses, normalizations and nonlinearities read theirs.
 _NONE = "its gradient reads none of its inputs"
 

@@ -102,8 +102,15 @@ def compile_init_soon(fn, platform: str, device=None) -> concurrent.futures.Futu
   """compile_init in a thread of its own, started now: XLA's compile releases the GIL, so
   the initial state builds while the caller compiles the steps. Its result (or error) is
   the future's. The thread is not a daemon: a process that ends meanwhile waits for it."""
-  pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sexpgpu-init")
+  return in_thread("sexpgpu-init", compile_init, fn, platform, device)
+
+
+def in_thread(name: str, fn, *args) -> concurrent.futures.Future:
+  """`fn(*args)` started now in a thread of its own named `name` (a compile: XLA releases
+  the GIL while it compiles). Its result (or error) is the future's. The thread is not a
+  daemon: a process that ends meanwhile waits for it."""
+  pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
   try:
-    return pool.submit(compile_init, fn, platform, device)
+    return pool.submit(fn, *args)
   finally:
     pool.shutdown(wait=False)

@@ -233,7 +233,7 @@ class Pairs:
   # inside the pairs: a value's uid → its axis split on `tensor` (columns, heads, vocabulary)
   inner: dict = dataclasses.field(default_factory=dict)
   # the uids of the row halves' products, of the embeddings' gathers, and of the products by
-  # a head's weights split on the vocabulary (run/layout_plan.py sizes their values)
+  # a head's weights split on the vocabulary (run/planning/layout_plan.py sizes their values)
   rows: set = dataclasses.field(default_factory=set)
   embeds: set = dataclasses.field(default_factory=set)
   heads: set = dataclasses.field(default_factory=set)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -13,6 +14,7 @@ import optax
 
 from sexpgpu.ir.graph import Graph
 from sexpgpu.ir.ops import LowerCtx
+from sexpgpu.lower.init import in_thread
 from sexpgpu.lower.interp import run_graph
 
 REDUCE = {"mean": jnp.mean, "max": jnp.max, "min": jnp.min, "sum": jnp.sum,
@@ -77,6 +79,7 @@ class TrainStep:
   # the parameters trained (`:trainable`, LoRA's adapters); None: every one. The others are
   # constants of the step: not differentiated, not in the optimizer state, passed through
   trainable: frozenset | None = None
+  fp8_only: tuple = ()  # under fp8, the `:fp8` globs naming the products (LowerCtx.fp8_only)
 
   def __post_init__(self):
     self.ranks = 1 if self.mesh is None else self.mesh.size
@@ -116,7 +119,7 @@ class TrainStep:
   # a microbatch's loss and gradient; dropout's key from (seed, step, microbatch)
   def _loss_and_grad(self, params, batch, step, index):
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), index)
-    ctx = LowerCtx(self.precision, rng, True, self.notes, self.platform)
+    ctx = LowerCtx(self.precision, rng, True, self.notes, self.platform, fp8_only=self.fp8_only)
 
     def loss_fn(p):
       taps = {} if any(d.kind == "tap" for d in self.diags) else None
@@ -401,9 +404,11 @@ class PassStep:
   CPU's rules in its passes.
   """
 
-  def __init__(self, graphs: dict[str, Graph], precision: str, platform: str | None = None):
+  def __init__(self, graphs: dict[str, Graph], precision: str, platform: str | None = None,
+               fp8_only: tuple = ()):
     self.graphs = graphs
     self.precision = precision
+    self.fp8_only = fp8_only  # the run's `:fp8` globs, as its train step's
     self.platform = platform  # None: the platform of the devices its arguments live on
     self.notes: list = []  # what lowering rules chose, as the train step's notes
     self._fns: dict[str, Callable] = {}
@@ -416,7 +421,7 @@ class PassStep:
 
   def _metrics(self, platform, params, batch, index):
     rng = jax.random.fold_in(jax.random.key(0), index)
-    ctx = LowerCtx(self.precision, rng, False, self.notes, platform)
+    ctx = LowerCtx(self.precision, rng, False, self.notes, platform, fp8_only=self.fp8_only)
     return {name: run_graph(g, params, batch, ctx)["out"].astype(jnp.float32)
             for name, g in self.graphs.items()}
 
@@ -441,6 +446,19 @@ class PassStep:
     self._exec = self._fn(self.platform_of(params, batch)).lower(params, batch,
                                                                  index).compile()
     return self._exec
+
+  def compile_soon(self, params, batch) -> concurrent.futures.Future:
+    """Lowers the pass now and compiles it in a thread of its own, so that it can build while
+    the caller compiles the train step (13–17% off the two compiles' wall time on a quiet
+    2-core machine, slower on a loaded one: benchmarks/README.md, bench_nanogpt). The
+    future's result is the executable, which later calls use once it is done."""
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    lowered = self._fn(self.platform_of(params, batch)).lower(params, batch, index)
+
+    def build():
+      self._exec = lowered.compile()
+      return self._exec
+    return in_thread("sexpgpu-pass", build)
 
   def lowered_for_cuda(self, params, batch):
     """The pass as a CUDA run lowers it, on any machine: the jax Lowered."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 from sexpgpu import env
 from sexpgpu.ir.printer import print_graph
@@ -9,19 +10,34 @@ from sexpgpu.lang.select import format_value
 from sexpgpu.run.compile import compile_file
 
 
-def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None = None,
-          device: str = "cpu", overrides: dict | None = None, fn: str | None = None,
-          target: str | None = None, gpu: str | None = None, devices: int | None = None,
-          nodes: int | None = None, loader: str | None = None) -> str:
+@dataclasses.dataclass(frozen=True)
+class CheckOptions:
+  """What `sexpgpu check` was asked besides the file, its selection and `--print`."""
+
+  diagnostics: str | None = None  # --diagnostics
+  overrides: dict | None = None  # --steps, --eval-every
+  device: str = "cpu"  # the device whose lowering jaxpr, hlo and plan show
+  fn: str | None = None  # --fn: the function `--print decode` explains
+  loader: str | None = None  # --loader: the loader `--print batch` draws from
+  target: str | None = None  # --target cuda
+  gpu: str | None = None  # --gpu: a card for a roofline estimate
+  devices: int | None = None  # --devices (and --nodes): a plan on paper
+  nodes: int | None = None
+
+
+def check(path: str, variant=None, sets=(), what: str | None = None,
+          opts: CheckOptions = CheckOptions()) -> str:
   """The text `sexpgpu check` prints: a summary, or knobs / params / ir / jaxpr / hlo / plan
-  / decode (how `sample` decodes `fn`, by default the one function of tokens to logits)
-  / batch (one microbatch of `loader`, by default the run's, run.batchtext).
+  / decode (how `sample` decodes `opts.fn`, by default the one function of tokens to
+  logits) / batch (one microbatch of `opts.loader`, by default the run's, run.batchtext).
 
   With `target="cuda"` the summary (and `hlo`, `plan`) is the run's steps lowered for
   CUDA on this machine, reported as a CUDA run reports them (`run.cuda_check`); `gpu`
   names a card for a roofline estimate; `devices` (and `nodes`) plan a run of that many
   GPUs on paper (run.layout_plan). `requires` lists the files it reads and runs nothing.
   """
+  target, gpu, devices, nodes = opts.target, opts.gpu, opts.devices, opts.nodes
+  fn, loader = opts.fn, opts.loader
   if what == "requires":
     return requires_text(path)
   if loader is not None and what != "batch":
@@ -33,7 +49,7 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
     from sexpgpu.run.cuda_check import check_paper, check_target
     check_target(target or "cuda", gpu)
     check_paper(target, devices, nodes)
-  c = compile_file(path, variant, sets, overrides, diagnostics)
+  c = compile_file(path, variant, sets, opts.overrides, opts.diagnostics)
   if devices is not None:
     from sexpgpu.run.cuda_check import paper_text
     return paper_text(c, gpu, devices, nodes or 1)
@@ -47,7 +63,7 @@ def check(path: str, variant=None, sets=(), diagnostics=None, what: str | None =
     w = sample.window(c, fn)
     return decode.explain(source.logits_graph(c, fn, w), w)
   if what in ("jaxpr", "hlo", "plan"):
-    return lowered_text(c, what, device)
+    return lowered_text(c, what, opts.device)
   if what == "knobs":
     return knobs_text(c)
   if what == "batch":
@@ -132,8 +148,8 @@ def requires_text(path: str) -> str:
 def _stacking_divides(c) -> None:
   """Refuses SEXPGPU_STACKING that does not divide the microbatches each rank runs, as `run`
   refuses it, so `check` does not pass a file and its variables that `run` stops on."""
-  from sexpgpu.run.env import stacking_from_env
-  from sexpgpu.run.plan import check_fixed
+  from sexpgpu.run.flags import stacking_from_env
+  from sexpgpu.run.planning.plan import check_fixed
   fixed = stacking_from_env()
   if fixed is not None:
     ranks = len(env.parse_device_list(env.get("SEXPGPU_DEVICES")) or [0])
@@ -150,11 +166,12 @@ def lowered_text(c, what: str, device_kind: str) -> str:
   import jax
 
   from sexpgpu.ir.ops import LowerCtx
+  from sexpgpu.lower import fp8
   from sexpgpu.lower.interp import run_graph
-  from sexpgpu.run import plan
+  from sexpgpu.run.planning import plan
   from sexpgpu.run.compile import cache_dir
-  from sexpgpu.run.devices import microbatches_divide, open_devices, parse_device_list
-  from sexpgpu.run.env import stacking_from_env
+  from sexpgpu.run.backend import microbatches_divide, open_devices, parse_device_list
+  from sexpgpu.run.flags import stacking_from_env
   from sexpgpu.run.training import build
   run = c.exp.run
   k = int(run["microbatches"])
@@ -163,21 +180,21 @@ def lowered_text(c, what: str, device_kind: str) -> str:
     abstract = build(c)
     params = abstract.abstract_state()["params"]
     batch = abstract.abstract_batches(c.stages[0].data)
-    ctx = LowerCtx(str(run["precision"]))
+    ctx = LowerCtx(str(run["precision"]), fp8_only=fp8.patterns(run))
     return str(jax.make_jaxpr(lambda p, b: run_graph(graph, p, b, ctx)["out"])(params, batch)) + "\n"
   place = open_devices(device_kind, parse_device_list(env.get("SEXPGPU_DEVICES")))
   microbatches_divide(k, place.ranks)
   # The run's own wiring: the same steps, pass steps and state that `run` plans.
   # `:sharding auto` is chosen here as `run` chooses it, before the steps are built
-  from sexpgpu.run.layout_choice import resolve
+  from sexpgpu.run.planning.layout_choice import resolve
   layout = resolve(c, place, cache_dir())
   training = build(c, place)
   state = training.abstract_state()
   batches = training.abstract_batches(c.stages[0].data, (k,))
   if what == "hlo":
     return training.step(0, k // place.ranks).lowered(state, batches).as_text() + "\n"
-  choice = plan.choose(training, 0, stacking_from_env(), state, batches, place.first, False,
-                       cache_dir())
+  choice = plan.choose(training, 0, stacking_from_env(), state, batches,
+                       plan.Setting(cache_dir()))
   ranks = f" x{place.ranks}" if place.ranks > 1 else ""
   lines = [f"plan: {c.slug} on {place.first.platform}{ranks}",
            f"  memory      {choice.plan.text()} (peak in {choice.plan.peak_at})"]

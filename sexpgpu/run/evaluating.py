@@ -71,9 +71,17 @@ class Evaluators:
                      + (f", {len(skipped)} skipped (longer than the window)" if skipped else ""))
     return lines
 
-  def run(self, place, params, step: int, at_end: bool, resumed_at, metrics, progress,
-          log) -> None:
-    """Each defeval due at `step`: its tasks scored, an `eval` event a task, a line."""
+  def run(self, ctx, params, step: int, at_end: bool, resumed_at) -> None:
+    """Each defeval due at `step`: its tasks scored, an `eval` event a task, a line.
+
+    Args:
+      ctx: the RunContext (its placement, and where the numbers go).
+      params: the parameters as the run keeps them.
+      step, at_end: the step just trained, and whether it is the last.
+      resumed_at: the step a resume starts at (its passes ran before), or None.
+    """
+    place, progress = ctx.place, ctx.out.progress
+    metrics, log = ctx.out.metrics, ctx.out.log
     for e in self.items:
       d = e.decl
       if step == resumed_at or not (due(d, step, self.c) or at_end):
@@ -95,9 +103,7 @@ class Evaluators:
           log(f"{d.name}: {task.name}: {len(res.skipped)} of {len(task.docs)} documents do "
               f"not fit the window of {e.scorer.window} tokens and are skipped (lines {lines})")
       progress.last_pass.update(values)
-      log(output.progress_line(d.name, step, progress.steps, None if step == 0 else
-                               progress.train_loss, values, progress.counters["records"],
-                               progress.since_first_step()))
+      log(output.progress_line(d.name, step, values, progress))
 
 
 def _task(path: str, loc, limit):

@@ -57,10 +57,16 @@ class Generators:
     """Whether a program runs after `step`."""
     return any(step > 0 and (step % g.decl.every == 0 or at_end) for g in self.items)
 
-  def run(self, place, params, step: int, steps: int, at_end: bool, resumed_at, metrics,
-          progress, log) -> None:
+  def run(self, ctx, params, step: int, at_end: bool, resumed_at) -> None:
     """Each program due at `step`: its outputs written beside the metrics stream, a
-    `generate` event naming them (its targets show the grids as images), a progress line."""
+    `generate` event naming them (its targets show the grids as images), a progress line.
+
+    Args: ctx: the RunContext (its placement, and where the numbers go); params: the
+    parameters as the run keeps them; step, at_end: the step just trained, and whether it
+    is the last; resumed_at: the step a resume starts at, or None.
+    """
+    place, progress = ctx.place, ctx.out.progress
+    metrics, log = ctx.out.metrics, ctx.out.log
     for g in self.items:
       d = g.decl
       if step == 0 or step == resumed_at or not (step % d.every == 0 or at_end):
@@ -80,8 +86,7 @@ class Generators:
       files = files if keep else []
       first = next(iter(outputs.values()))
       values = {f"{d.name}/samples-per-s": (first.shape[0] if first.ndim else 1) / max(dt, 1e-9)}
-      log(output.progress_line(d.name, step, steps, progress.train_loss, values,
-                               progress.counters["records"], progress.since_first_step()))
+      log(output.progress_line(d.name, step, values, progress))
       shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
       log(f"{d.name}: {shapes}; " + (", ".join(files) if files else "no files"))
 

@@ -82,7 +82,7 @@ def measure_host(devices) -> dict[str, float]:
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from sexpgpu.run.plan import fastest as best
+  from sexpgpu.run.planning.plan import fastest as best
   n = len(devices)
   mesh = Mesh(np.array(devices), ("d",))
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))  # noqa: E731

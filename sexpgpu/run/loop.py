@@ -2,10 +2,11 @@
 
 It reads top to bottom in `_train`. Two things keep the device busy: the next steps'
 batches are drawn and placed in a background thread (run/feed.py), and a step's metrics
-are read one step late, after the next step has been dispatched (run/stepping.py); the
-loop drains first at a pass, a checkpoint, a signal, a curriculum check and the last
-step, so what is printed, saved and written is what a loop that waited on every step
-would have written.
+are read one step late, after the next step has been dispatched (run/stepping.py's
+`Steps.step`); the loop flushes the runner first at a pass, a checkpoint, a signal, a
+curriculum check and the last step, so what is printed, saved and written is what a loop
+that waited on every step would have written. The helpers read the run through one
+RunContext (run/context.py): the experiment, the options, its Training and its Outputs.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import jax
 from sexpgpu.env import parse_nodes
 from sexpgpu.errors import SxError
 from sexpgpu.models.warm import start_state
-from sexpgpu.run import output, plan, reports, saving, setup, signals
+from sexpgpu.run import output, reports, saving, setup, signals
+from sexpgpu.run.planning import plan
 from sexpgpu.run.compile import (Compiled, cache_dir, release_after_compiles,
                                  release_freed_memory)
-from sexpgpu.run.devices import CompileCounter
+from sexpgpu.run.context import Outputs, RunContext
+from sexpgpu.run.backend import CompileCounter
 from sexpgpu.run.feed import Feed
 from sexpgpu.run.passes import Passes
 from sexpgpu.run.progress import CompileLine, Progress, Summary
@@ -73,7 +76,7 @@ def run_compiled(compiled: Compiled, opts: RunOptions) -> Summary:
                             compiled.passes)
   line = None if opts.quiet else CompileLine.start()  # on a terminal only
   try:
-    return _train(compiled, opts, nodes_cfg, node, counter, progress, t_begin)
+    return _train(compiled, opts, nodes_cfg, counter, progress, t_begin)
   except SxError as e:
     progress.failed(e.code, e.message)
     raise
@@ -83,10 +86,10 @@ def run_compiled(compiled: Compiled, opts: RunOptions) -> Summary:
     gc.unfreeze()  # a notebook may compile and run again in this process
 
 
-def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
-           t_begin: float) -> Summary:
+def _train(c, o: RunOptions, nodes_cfg, counter, progress: Progress, t_begin: float) -> Summary:
   """Set up, plan, initialize or restore, loop (draw, step, passes, checkpoint), finish."""
   log = (lambda line: None) if o.quiet else output.err
+  node = nodes_cfg.rank if nodes_cfg else 0
 
   # --- set up: devices, checkpoints, metrics, the steps -------------------------------------
   place, rdv, open_s = setup.open_backend(c, o, nodes_cfg, progress, log)
@@ -94,23 +97,24 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
   metrics = setup.open_metrics(c, o, place, node, resume_text, log)
   t_setup = time.perf_counter()
   training = setup.build_training(c, place, nodes_cfg, rdv, resume_dir, progress)
-  saver = Saver(store, c, training, progress, metrics, rdv)
+  run = RunContext(c, o, training, Outputs(progress, metrics, log))
+  saver = Saver(store, run, rdv)
   with saver, signals.deferred() as sig, setup.retries_noted(metrics):
     samplers, evaluators, generators = Samplers(c), Evaluators(c), Generators(c)  # errors first
     # --- plan: every step compiled for abstract values; nothing initialized before it fits
-    choice = _plan(c, o, training, resume_dir, store is not None, progress, metrics, log)
+    choice = _plan(run, resume_dir, store is not None)
 
     # --- initialize or restore ------------------------------------------------------------
     if resume_dir is not None:
-      state, start = saving.resume(c, training, resume_dir, progress, metrics)
+      state, start = saving.resume(run, resume_dir)
     else:  # cold, or warm from :init-from
       state, start = start_state(c, training, progress.stage, log), 0
     feed = Feed(c, place, training.k, progress.steps, ahead=o.pipeline)
-    passes = Passes(c, training, samplers, evaluators, metrics, progress, log,
+    passes = Passes(run, samplers, evaluators,
                     resumed_at=start if resume_dir is not None else None, generators=generators)
     profile = setup.open_profile(c, o)
-    runner = Steps(c, training, progress, metrics, feed, profile, rdv, sig, log)
     stop = Stop(sig, place.multiprocess)
+    runner = Steps(run, feed, profile, rdv, stop)
     _freeze_the_compiler()
     step0_s = time.perf_counter() - t_setup
 
@@ -122,21 +126,20 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
     try:
       while step < progress.steps and not stop.here():
         # The loader is behind: read the last step now, so its time is not the wait's.
-        if not feed.ready() and stop.agreed(runner.drain()):
+        if not feed.ready() and runner.flush():
           break
         batches, info = feed.get()
         if choice.how == "measure":  # the first step's batches time each stacking degree
           choice = reports.measured(choice, training, progress.stage, state, batches, metrics)
         st = training.step(progress.stage, choice.degree)
-        state, dispatched = runner.dispatch(st, state, batches, info, step + 1, step == start)
+        # host sync inside: the previous step's numbers are read as this one runs
+        state = runner.step(st, state, batches, info, step + 1)
         step += 1
-        stop.agreed(runner.drain())  # host sync: the previous step's numbers, as this one runs
-        runner.pending = dispatched
         at_end = step == progress.steps
         due_pass, due_ckpt = passes.due(step, at_end), saver.due(step)
         # What follows needs this step's numbers, or several nodes must agree on a stop now.
         if not o.pipeline or at_end or due_pass or due_ckpt or stop.needs_numbers():
-          stop.agreed(runner.drain())
+          runner.flush()
         if stop.signum is not None:
           break
         if due_pass and passes.run(state, step, at_end, feed.lock) and passes.advance(step):
@@ -146,12 +149,12 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
         if due_ckpt:
           saver.save(step, state, choice.degree, feed.states, wait=False)
         progress.set_status("running", step, force=False)
-      stop.agreed(runner.drain())
+      runner.flush()
     except jax.errors.JaxRuntimeError as e:
       node_left(rdv, e, step + 1, progress.last_ckpt)  # E-DP-007 when a node left; else raised
     except NonFinite as e:  # the last finite state is checkpointed, then E-NUM-001
       feed.rewind()
-      saver.save(e.step - 1, state, choice.degree, feed.states, wait=True)
+      saver.save(e.step - 1, e.state, choice.degree, feed.states, wait=True)
       raise e.error(c.program.path) from None
     finally:
       feed.close()
@@ -160,9 +163,9 @@ def _train(c, o: RunOptions, nodes_cfg, node: int, counter, progress: Progress,
 
     # --- finish ---------------------------------------------------------------------------
     saver.finish(step, state, choice.degree, feed.states, step > start or resume_dir is None)
-    goodput = reports.finish(c, progress, counter, {"open": open_s, "step0": step0_s}, start,
-                             step, profile, place, choice, metrics, log, t_begin)
-    return _summarize(c, o, progress, metrics, stop, step, goodput, log, (state, place))
+    goodput = reports.finish(run, counter, {"begin": t_begin, "open": open_s, "step0": step0_s},
+                             (start, step), profile, choice)
+    return _summarize(run, stop, step, goodput, state)
 
 
 def _freeze_the_compiler() -> None:
@@ -174,30 +177,31 @@ def _freeze_the_compiler() -> None:
   release_freed_memory()
 
 
-def _plan(c, o: RunOptions, training, resume_dir: str | None, saves: bool, progress: Progress,
-          metrics, log):
+def _plan(run: RunContext, resume_dir: str | None, saves: bool):
   """The stacking Choice and the memory plan for the stage the run starts at (a resume's,
   with its stacking), from abstract values; the lowering, memory and stacking reports."""
-  progress.stage, fixed = saving.resumed_plan(c, training.place, resume_dir, o.stacking)
+  c, training, progress = run.c, run.training, run.out.progress
+  progress.stage, fixed = saving.resumed_plan(c, training.place, resume_dir, run.o.stacking)
   state = training.abstract_state(progress.stage)
   shapes = training.abstract_batches(c.stages[progress.stage].data, (training.k,))
-  choice = plan.choose(training, progress.stage, fixed, state, shapes, training.place.first,
-                       saves, cache_dir(), several_nodes=training.place.multiprocess)
-  reports.annotate(c, training, choice, metrics, training.place, log)
+  choice = plan.choose(training, progress.stage, fixed, state, shapes,
+                       plan.Setting(cache_dir(), saves, training.place.multiprocess))
+  reports.annotate(run, choice)
   return choice
 
 
-def _summarize(c, o: RunOptions, progress: Progress, metrics, stop: Stop, step: int,
-               goodput: float, log, last) -> Summary:
+def _summarize(run: RunContext, stop: Stop, step: int, goodput: float, state) -> Summary:
   """The summary: the status `done` or `stopped`, the metrics stream's last event, the
   `done:` block (or nothing, under --json: the CLI prints the summary), a stop's line.
-  `last` is the (state, placement) the run ended with: the summary reads its parameters
-  to the host when asked (Run.params in the API), not before."""
+  `state` is the one the run ended with: the summary reads its parameters to the host when
+  asked (Run.params in the API), not before."""
+  c, o, place = run.c, run.o, run.place
+  progress, metrics, log = run.out.progress, run.out.metrics, run.out.log
   progress.base.update(goodput=goodput, stopped_by=stop.name)
   summary = Summary(step, progress.train_loss, dict(progress.last_pass), dict(progress.counters),
                     progress.stage, metrics.summary_path(), o.status, c.slug, stop.name,
                     progress.last_ckpt, stop.exit_code, goodput,
-                    lambda: {k: last[1].host(v) for k, v in last[0]["params"].items()})
+                    lambda: {k: place.host(v) for k, v in state["params"].items()})
   progress.set_status("stopped" if stop.signum else "done", step)
   metrics.emit("summary", **{n: v for n, v in summary.as_dict().items() if n != "kind"})
   metrics.close()

@@ -74,22 +74,46 @@ def err(line: str) -> None:
   write(sys.stderr, line + "\n")
 
 
-def config_line(file: str, slug: str, device: str, steps: int, microbatches: int, evals: str,
-                diagnostics: str, precision: str, seed: int, checkpoints: str, resume: str,
-                status: str, ranks: int = 1, nodes: int = 1) -> str:
-  dev = f"device {device}" + (f" ranks {ranks} nodes {nodes}" if ranks > 1 or nodes > 1 else "")
-  return (f"run: {file} slug {slug} {dev} steps {steps} microbatches {microbatches} "
-          f"evals {evals} diagnostics {diagnostics} precision {precision} seed {seed} "
-          f"checkpoints {checkpoints} resume {resume} status {status}")
+def config_line(c, o, place, resume: str) -> str:
+  """The run's first line, `run: FILE slug S device D steps N ...`.
+
+  Args:
+    c: the Compiled experiment (slug, run settings, passes, diagnostics).
+    o: the RunOptions (file, device, checkpoint location, status file).
+    place: the run's Placement (ranks and nodes, said when more than one).
+    resume: the `resume` field (`-`, or what --resume resolved to).
+  """
+  run, ranks, nodes = c.exp.run, place.ranks, place.nodes
+  evals = evals_field({**c.exp.passes, **c.exp.evals}, run.get("eval-every"))
+  dev = f"device {o.device}" + (f" ranks {ranks} nodes {nodes}" if ranks > 1 or nodes > 1
+                                else "")
+  return (f"run: {o.file} slug {c.slug} {dev} steps {int(run['steps'])} microbatches "
+          f"{int(run['microbatches'])} evals {evals} diagnostics "
+          f"{','.join(c.diagnostics) or '-'} precision {run['precision']} seed {run['seed']} "
+          f"checkpoints {o.checkpoint_dir or '-'} resume {resume} status {o.status or '-'}")
 
 
-def progress_line(pass_name: str, step: int, steps: int, loss: float | None,
-                  metrics: dict[str, float], records: int, seconds: float) -> str:
+def evals_field(passes: dict, every_override) -> str:
+  """The configuration line's `evals`: each defpass and defeval, `eval@10,bench@500`, or `-`."""
+  if not passes:
+    return "-"
+  out = []
+  for name, p in passes.items():
+    every = p.every if every_override is None else every_override
+    out.append(f"{name}@{every}" if every else f"{name}@end")
+  return ",".join(out)
+
+
+def progress_line(pass_name: str, step: int, metrics: dict[str, float], progress) -> str:
+  """`step 10/20 loss 2.90611 | eval/loss 3.01543 | 80 records | 0.1s`: a pass's line
+  (prefixed `NAME: ` but for `eval`), with the run's steps, its last training loss (none at
+  step 0), records and seconds since the first step from `progress` (run.progress.Progress)."""
   prefix = "" if pass_name == "eval" else f"{pass_name}: "
+  loss = None if step == 0 else progress.train_loss
   loss_s = "-" if loss is None else f"{loss:.5f}"
   parts = " | ".join(f"{k} {v:.5f}" for k, v in metrics.items())
-  return (f"{prefix}step {step}/{steps} loss {loss_s} | {parts} | {records} records | "
-          f"{seconds:.1f}s")
+  return (f"{prefix}step {step}/{progress.steps} loss {loss_s} | {parts} | "
+          f"{progress.counters['records']} records | {progress.since_first_step():.1f}s")
 
 
 # The width a sample's line is cut to when standard error is no terminal and COLUMNS is unset.
@@ -121,26 +145,35 @@ def _med_p90(xs: list[float]) -> tuple[float, float]:
   return statistics.median(ys), p90
 
 
-def timing_lines(graph_s: float, open_s: float, compiled: int, compile_s: float, hits: int,
-                 step0_s: float, first_pass: dict[str, float], step_times: list[float],
-                 first_step: int, last_step: int, pass_times: dict[str, list[float]],
-                 total_s: float, steps_run: int) -> list[str]:
-  lines = [f"timing graph {graph_s:.3f}s device-open {open_s:.3f}s",
+def timing_lines(progress, kernels: tuple[int, float, int], seconds: dict[str, float],
+                 span: tuple[int, int]) -> list[str]:
+  """The `timing` block.
+
+  Args:
+    progress: the run's Progress (run.progress): its step times, and each pass's first time
+      and later times.
+    kernels: (kernels compiled, seconds compiling, cache hits).
+    seconds: `graph` (building the graph), `open` (the devices), `step0`, `total`.
+    span: the first step of this session minus one, and the last step trained.
+  """
+  compiled, compile_s, hits = kernels
+  first, last = span
+  lines = [f"timing graph {seconds['graph']:.3f}s device-open {seconds['open']:.3f}s",
            f"timing kernels {compiled} compiled in {compile_s:.3f}s, {hits} cache hits"]
-  zero = " ".join(f"{p}-0 {t:.3f}s" for p, t in first_pass.items())
-  lines.append(f"timing step-0 {step0_s:.3f}s" + (f" {zero}" if zero else ""))
-  if step_times:
-    med, p90 = _med_p90(step_times)
-    lines.append(f"timing steps {first_step}..{last_step} median {med:.4f}s p90 {p90:.4f}s")
+  zero = " ".join(f"{p}-0 {t:.3f}s" for p, t in progress.first_pass.items())
+  lines.append(f"timing step-0 {seconds['step0']:.3f}s" + (f" {zero}" if zero else ""))
+  if progress.step_times:
+    med, p90 = _med_p90(progress.step_times)
+    lines.append(f"timing steps {first + 1}..{last} median {med:.4f}s p90 {p90:.4f}s")
   else:
     lines.append("timing steps - median - p90 -")
-  for p, ts in pass_times.items():
+  for p, ts in progress.pass_times.items():
     if ts:
       med, p90 = _med_p90(ts)
       lines.append(f"timing {p} {len(ts)} passes median {med:.4f}s p90 {p90:.4f}s")
     else:
       lines.append(f"timing {p} 0 passes median - p90 -")
-  lines.append(f"timing total {total_s:.3f}s over {steps_run} steps")
+  lines.append(f"timing total {seconds['total']:.3f}s over {last - first} steps")
   return lines
 
 

@@ -37,16 +37,15 @@ def due(p, step: int, c) -> bool:
 class Passes:
   """Runs the passes due at a step, and moves the curriculum on when its condition holds."""
 
-  def __init__(self, c, training, samplers, evaluators, metrics, progress, log,
-               resumed_at: int | None, generators=None):
-    """Args: c: the Compiled experiment; training: its Training; samplers: its Samplers;
-    evaluators: its Evaluators (defeval); metrics, progress, log: where the numbers go;
-    resumed_at: the step a resume starts at (its passes ran before the checkpoint), else
-    None; generators: its Generators (defgenerate), or None."""
-    self.c, self.training, self.samplers = c, training, samplers
-    self.generators = generators
-    self.evaluators = evaluators
-    self.metrics, self.progress, self.log = metrics, progress, log
+  def __init__(self, ctx, samplers, evaluators, resumed_at: int | None, generators=None):
+    """Args: ctx: the RunContext (the experiment, its Training, where the numbers go);
+    samplers: its Samplers; evaluators: its Evaluators (defeval); resumed_at: the step a
+    resume starts at (its passes ran before the checkpoint), else None; generators: its
+    Generators (defgenerate), or None."""
+    self.ctx, self.c, self.training = ctx, ctx.c, ctx.training
+    self.samplers, self.evaluators, self.generators = samplers, evaluators, generators
+    progress = ctx.out.progress
+    self.metrics, self.progress, self.log = ctx.out.metrics, progress, ctx.out.log
     # a resume at a step whose passes a stop cut short runs them again, all of them, and
     # then the curriculum's decision they feed (first())
     self.redo = resumed_at if resumed_at is not None and (
@@ -84,13 +83,9 @@ class Passes:
         ran = self._evaluate(state, step, at_end)
       if self.progress.passes_unfinished == step:
         return False  # cut short by a stop: the rest run again on resume, none now
-      self.evaluators.run(place, state["params"], step, at_end, self.resumed_at, self.metrics,
-                          self.progress, self.log)
-      self.samplers.run(place, state["params"], step, self.progress.steps, at_end,
-                        self.resumed_at, self.metrics, self.progress, self.log)
-      if self.generators is not None:
-        self.generators.run(place, state["params"], step, self.progress.steps, at_end,
-                            self.resumed_at, self.metrics, self.progress, self.log)
+      for kind in (self.evaluators, self.samplers, self.generators):
+        if kind is not None:
+          kind.run(self.ctx, state["params"], step, at_end, self.resumed_at)
     return ran
 
   def _evaluate(self, state, step: int, at_end: bool) -> bool:
@@ -116,10 +111,7 @@ class Passes:
         progress.first_pass[name] = dt
       progress.last_pass.update(values)
       self.metrics.emit("pass", step=step, **{"pass": name, "metrics": values, "time/pass": dt})
-      self.log(output.progress_line(name, step, progress.steps, None if step == 0 or
-                                    progress.train_loss is None else progress.train_loss,
-                                    values, progress.counters["records"],
-                                    progress.since_first_step()))
+      self.log(output.progress_line(name, step, values, progress))
       bad = [m for m, v in values.items() if not np.isfinite(v)]
       if bad and training.on_nan == "stop":
         # The steps' guard keeps a non-finite update out; a finite but diverged state can

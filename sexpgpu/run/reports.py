@@ -7,13 +7,17 @@ import time
 
 from sexpgpu.devices.memory import peak_line as line_of
 from sexpgpu.devices.report import lowering_annotation, lowering_report
-from sexpgpu.run import output, plan
+from sexpgpu.run import output
+from sexpgpu.run.planning import plan
 from sexpgpu.run.compile import cache_dir
-from sexpgpu.run.devices import peak_bytes
+from sexpgpu.run.backend import peak_bytes
 
 
-def annotate(c, training, choice, metrics, place, log) -> None:
-  """The lowering, memory and stacking annotations; on a GPU the lowering report's lines."""
+def annotate(ctx, choice) -> None:
+  """The lowering, memory and stacking annotations of the run (a RunContext) and its
+  stacking Choice; on a GPU the lowering report's lines."""
+  c, training, place = ctx.c, ctx.training, ctx.place
+  metrics, log = ctx.out.metrics, ctx.out.log
   compiled = next(iter(choice.executables.values()))
   regions = region_lines(c.regions, training.step(0, choice.degree).notes)
   ann = lowering_annotation(place.first, c.patterns, regions, compiled, choice.plan, choice.text)
@@ -37,40 +41,36 @@ def emit_stacking(choice, metrics) -> None:
 
 def measured(choice, training, stage: int, state, batches, metrics):
   """The stacking chosen by timing each degree on the first step's batches, annotated."""
-  choice = plan.measure(choice, training, stage, state, batches, training.place.first,
-                        cache_dir())
+  choice = plan.measure(choice, training, stage, state, batches, cache_dir())
   emit_stacking(choice, metrics)
   return choice
 
 
-def finish(c, progress, counter, timings: dict, first: int, last: int, profile, place, choice,
-           metrics, log, t_begin: float) -> float:
+def finish(ctx, counter, timings: dict, span: tuple[int, int], profile, choice) -> float:
   """The timing block, the profile line and the `memory: peak` line; returns the goodput.
 
   Args:
-    c: the Compiled experiment (its graph's build time).
-    progress: the run's Progress (its step and pass times).
+    ctx: the RunContext: its experiment (the graph's build time), placement, progress (step
+      and pass times), and where the annotations and lines go.
     counter: the CompileCounter (kernels compiled, cache hits).
-    timings: `open` and `step0` in seconds.
-    first, last: the first step of this session minus one, and the last step trained.
+    timings: `begin`, when the run began (perf_counter); `open` and `step0` in seconds.
+    span: the first step of this session minus one, and the last step trained.
     profile: the run's Profile, or None.
-    place, choice: the run's Placement and stacking Choice (the memory plan).
-    metrics, log: where the annotations and lines go.
-    t_begin: when the run began (perf_counter).
+    choice: the run's stacking Choice (the memory plan).
 
   Returns:
     The share of the run's wall time spent in training steps, rounded to 4 places.
   """
-  total = time.perf_counter() - t_begin
-  compiled_n, compile_s, hits = counter.snapshot()
-  for line in output.timing_lines(c.graph_seconds, timings["open"], compiled_n, compile_s, hits,
-                                  timings["step0"], progress.first_pass, progress.step_times,
-                                  first + 1, last, progress.pass_times, total, last - first):
+  progress, metrics, log = ctx.out.progress, ctx.out.metrics, ctx.out.log
+  t_begin = timings["begin"]
+  seconds = {"graph": ctx.c.graph_seconds, "open": timings["open"], "step0": timings["step0"],
+             "total": time.perf_counter() - t_begin}
+  for line in output.timing_lines(progress, counter.snapshot(), seconds, span):
     log(line)
   if profile is not None and (line := profile.line()) is not None:
     log(line)
     metrics.emit("annotation", name="profile", text=line, folder=profile.folder)
-  peak_line(place, choice, metrics, log)
+  peak_line(ctx.place, choice, metrics, log)
   goodput = sum(progress.step_times) / max(time.perf_counter() - t_begin, 1e-9)
   return round(min(goodput, 1.0), 4)
 

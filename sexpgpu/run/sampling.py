@@ -52,9 +52,15 @@ class Samplers:
   def due(self, step: int, at_end: bool) -> bool:
     return any(step > 0 and (step % s.decl.every == 0 or at_end) for s in self.items)
 
-  def run(self, place, params, step: int, steps: int, at_end: bool, resumed_at, metrics,
-          progress, log) -> None:
-    """Each sample due at `step`: its continuations as events and a progress line."""
+  def run(self, ctx, params, step: int, at_end: bool, resumed_at) -> None:
+    """Each sample due at `step`: its continuations as events and a progress line.
+
+    Args: ctx: the RunContext (its placement, and where the numbers go); params: the
+    parameters as the run keeps them; step, at_end: the step just trained, and whether it
+    is the last; resumed_at: the step a resume starts at, or None.
+    """
+    place, progress = ctx.place, ctx.out.progress
+    metrics, log = ctx.out.metrics, ctx.out.log
     for s in self.items:
       d = s.decl
       if step == 0 or step == resumed_at or not (step % d.every == 0 or at_end):
@@ -75,10 +81,7 @@ class Samplers:
         lines.append((prompt, text))
       dt = time.perf_counter() - t
       values = {f"{d.name}/tokens-per-s": made / max(dt, 1e-9)}
-      since = (0.0 if progress.t_first_step is None
-               else time.perf_counter() - progress.t_first_step)
-      log(output.progress_line(d.name, step, steps, progress.train_loss, values,
-                               progress.counters["records"], since))
+      log(output.progress_line(d.name, step, values, progress))
       columns = output.width()
       for prompt, text in lines:
         log(output.sample_line(d.name, prompt, text, columns))

@@ -46,14 +46,19 @@ def resumed_plan(c, place, resume_dir: str | None, stacking: int | None) -> tupl
   return int(meta_["stage"]), stacking
 
 
-def resume(c, training, resume_dir: str, progress, metrics):
+def resume(ctx, resume_dir: str):
   """The state of the checkpoint at `resume_dir`, placed as the run keeps it; the run's
   progress and loaders as they were at its step.
+
+  Args:
+    ctx: the RunContext (its experiment, Training, progress and metrics).
+    resume_dir: the step folder.
 
   Returns:
     (the state, the step it is at).
   """
   from sexpgpu.run import reference
+  c, training, progress, metrics = ctx.c, ctx.training, ctx.out.progress, ctx.out.metrics
   stage = progress.stage  # the checkpoint's (resumed_plan)
   # the reference model's copies are not in the checkpoint: read again, checked (E-REF-001)
   refs = reference.resumed(c, training, resume_dir)
@@ -86,12 +91,13 @@ class Saver:
   already on its way out.
   """
 
-  def __init__(self, store, c, training, progress, metrics, rdv):
-    """Args: store: the CheckpointStore, or None (nothing is saved); c, training: the
-    experiment and its Training; progress, metrics: what the meta and the events record;
-    rdv: the rendezvous of several nodes, or None."""
-    self.store, self.c, self.training = store, c, training
-    self.progress, self.metrics, self.rdv = progress, metrics, rdv
+  def __init__(self, store, ctx, rdv):
+    """Args: store: the CheckpointStore, or None (nothing is saved); ctx: the RunContext
+    (the experiment and its Training; the progress and metrics that the meta and the events
+    record); rdv: the rendezvous of several nodes, or None."""
+    c = ctx.c
+    self.store, self.c, self.training = store, c, ctx.training
+    self.progress, self.metrics, self.rdv = ctx.out.progress, ctx.out.metrics, rdv
     self.every = int(c.exp.run["checkpoint-every"])
     self.reference_digest: str | None = None  # of the reference's copies, once computed
 
@@ -124,7 +130,7 @@ class Saver:
     if p.passes_unfinished == step:  # a stop cut this step's passes short: resume redoes them
       out["passes_unfinished"] = step
     if place.first.platform != "cpu":
-      from sexpgpu.run.devices import autotune_results
+      from sexpgpu.run.backend import autotune_results
       tuned = autotune_results()  # under SEXPGPU_DETERMINISTIC: a resume picks the same kernels
       if tuned is not None:
         out["xla_autotune"] = tuned

@@ -17,9 +17,10 @@ from sexpgpu.errors import SxError, scrub
 from sexpgpu.lang.select import NOT_IN_FINGERPRINT
 from sexpgpu.lower.flops import device_peak, forward_bytes, train_flops
 from sexpgpu.models.warm import source_of
-from sexpgpu.run import layout_choice, output, signals
+from sexpgpu.run import output, signals
+from sexpgpu.run.planning import layout_choice
 from sexpgpu.run.compile import cache_dir
-from sexpgpu.run.devices import (MMAP_CEILING, TRIM_CEILING, autotune_of, cpu_flags, deterministic,
+from sexpgpu.run.backend import (MMAP_CEILING, TRIM_CEILING, autotune_of, cpu_flags, deterministic,
                                  deterministic_flags, keep_host_memory, microbatches_divide,
                                  open_devices, parse_device_list)
 from sexpgpu.run.profile import Profile, default_dir
@@ -164,13 +165,8 @@ def _refuse_unresumed(c, store) -> None:
 def open_metrics(c, o, place, node: int, resume_text: str, log):
   """The metrics targets (node 0 writes them), announced: the configuration line, the
   `metrics:` line and the config event."""
-  run = c.exp.run
   metrics = open_targets(o.metrics if node == 0 else None, c.slug, where=o.metrics_where)
-  log(output.config_line(o.file, c.slug, o.device, int(run["steps"]), int(run["microbatches"]),
-                         evals_field({**c.exp.passes, **c.exp.evals}, run.get("eval-every")),
-                         ",".join(c.diagnostics) or "-", run["precision"], run["seed"],
-                         o.checkpoint_dir or "-", resume_text, o.status or "-",
-                         ranks=place.ranks, nodes=place.nodes))
+  log(output.config_line(c, o, place, resume_text))
   if metrics.describe():
     log(f"metrics: {metrics.describe()}")
   metrics.emit("config", file=c.program.path, fingerprint=c.fingerprint, device=o.device,
@@ -191,17 +187,6 @@ def retries_noted(metrics) -> Iterator[None]:
     yield
   finally:
     stop()
-
-
-def evals_field(passes: dict, every_override) -> str:
-  """The configuration line's `evals`: each defpass and defeval, `eval@10,bench@500`, or `-`."""
-  if not passes:
-    return "-"
-  out = []
-  for name, p in passes.items():
-    every = p.every if every_override is None else every_override
-    out.append(f"{name}@{every}" if every else f"{name}@end")
-  return ",".join(out)
 
 
 def build_training(c, place, nodes_cfg, rdv, resume_dir: str | None, progress):

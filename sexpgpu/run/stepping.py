@@ -1,8 +1,10 @@
 """The loop's step: dispatching it, reading its numbers one step late, and the stop.
 
-A step's metrics are read after the next step has been dispatched (`Steps.drain()` is the
-host sync point), so the host never waits on the device between steps. `Stop` owns why a
-run ends before its last step: a signal on this process, or one the nodes agreed on.
+A step's metrics are read after the next step has been dispatched (`Steps.step()` reads
+the one before as it starts the next; `Steps.flush()` reads the last one now, the host sync
+point at a pass, a checkpoint or the end), so the host never waits on the device between
+steps. `Stop` owns why a run ends before its last step: a signal on this process, or one
+the nodes agreed on.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ import numpy as np
 
 from sexpgpu.errors import SxError
 from sexpgpu.run import signals
-from sexpgpu.run.devices import peak_bytes
-from sexpgpu.run.plan import shrink_hints
+from sexpgpu.run.backend import peak_bytes
+from sexpgpu.run.planning.plan import shrink_hints
 
 
 class NonFinite(Exception):
-  """`:on-nan stop` met a non-finite step (the guard in the step kept the state)."""
+  """`:on-nan stop` met a non-finite step (the guard in the step kept the state); `state`
+  is the newest state the runner handed out (what the run checkpoints)."""
 
-  def __init__(self, step: int):
+  def __init__(self, step: int, state=None):
     super().__init__(step)
     self.step = step
+    self.state = state
 
   def error(self, where: str) -> SxError:
     """The E-NUM-001 a run ends with (its last finite state checkpointed, when it can be)."""
@@ -83,54 +87,76 @@ class Steps:
   """Dispatches train steps and reads each one's numbers after the next is dispatched.
 
   Reading records the step: its loss, counters, timing and the `step` and `diagnostic`
-  events, and the state of the loader it drew from (what a checkpoint at it records).
+  events, the state of the loader it drew from (what a checkpoint at it records), and the
+  signal the nodes agreed to stop at (into the run's Stop).
   """
 
-  def __init__(self, c, training, progress, metrics, feed, profile, rdv, flag, log):
-    self.c, self.training, self.progress, self.metrics = c, training, progress, metrics
-    self.feed, self.profile, self.rdv, self.flag, self.log = feed, profile, rdv, flag, log
-    self.pending = None  # the dispatched step whose numbers are not read yet
+  def __init__(self, ctx, feed, profile, rdv, stop: Stop):
+    """Args: ctx: the RunContext; feed: the run's Feed; profile: its Profile or None; rdv:
+    the rendezvous of several nodes or None; stop: the run's Stop (its signal flag goes
+    into each step of several nodes)."""
+    self.c, self.training = ctx.c, ctx.training
+    self.progress, self.metrics, self.log = ctx.out.progress, ctx.out.metrics, ctx.out.log
+    self.feed, self.profile, self.rdv, self.stop = feed, profile, rdv, stop
+    self._pending = None  # the dispatched step whose numbers are not read yet
+    self._state = None  # the newest state handed out (NonFinite carries it)
+    self._first = True  # no step dispatched yet in this session
     self.t_ready: float | None = None  # when the last read step's numbers reached the host
 
-  def dispatch(self, st, state, batches, info: dict, step: int, first: bool):
-    """Starts step `step` (1-based) on `state` without waiting for it.
+  def step(self, st, state, batches, info: dict, step: int):
+    """Starts step `step` (1-based) on `state` without waiting for it, then reads the step
+    before it (a host sync: its numbers, while this one runs).
 
     Args:
       st: the TrainStep of the stage and stacking.
       state, batches: its inputs (the state is donated).
       info: what the feed said about the batches (loader state, records, tokens, wait).
       step: the step being run.
-      first: the first step of this session (on several nodes its collectives connect).
 
     Returns:
-      (the new state, the step to read later: set it as `pending` once the one before
-      it has been drained).
+      The new state.
+
+    Raises:
+      NonFinite: under `:on-nan stop`, when the step before was not finite.
     """
+    state, dispatched = self._dispatch(st, state, batches, info, step)
+    self._state = state
+    self.flush()
+    self._pending = dispatched
+    return state
+
+  def flush(self) -> bool:
+    """Reads the dispatched step's numbers now (a host sync), if one is unread; returns
+    whether the run stops (a signal here, or one the nodes agreed to stop at).
+
+    Raises:
+      NonFinite: under `:on-nan stop`, when the step was not finite.
+    """
+    return self.stop.agreed(self._read())
+
+  def _dispatch(self, st, state, batches, info: dict, step: int):
     if self.profile is not None:
       self.profile.before(step)
     t_dispatch = time.perf_counter()
     if self.progress.t_first_step is None:
       self.progress.t_first_step = t_dispatch
-    first_cross_node = first and self.training.place.multiprocess
+    first_cross_node = self._first and self.training.place.multiprocess
+    self._first = False
     with watch(self.rdv, f"step {step}"), quiet(first_cross_node):
-      state, m = call_step(self.c, st, state, batches, self.flag, step, self.metrics, self.log)
+      state, m = self._call(st, state, batches, step)
       if first_cross_node:
         # The first collective connects gloo's peers, which prints a line of its own when
         # it runs, not when it is dispatched: wait for it inside the quiet block.
         jax.block_until_ready(m)
     return state, (step, st, m, info, t_dispatch)
 
-  def drain(self) -> int | None:
-    """Reads the pending step's numbers (a host sync); returns a signal number when the
-    nodes agreed to stop at that step.
-
-    Raises:
-      NonFinite: under `:on-nan stop`, when the step was not finite.
-    """
-    if self.pending is None:
+  def _read(self) -> int | None:
+    """Reads the pending step's numbers; returns a signal number when the nodes agreed to
+    stop at that step."""
+    if self._pending is None:
       return None
-    step, st, m, info, t_dispatch = self.pending
-    self.pending = None
+    step, st, m, info, t_dispatch = self._pending
+    self._pending = None
     values = np.asarray(self.training.place.host(m)).tolist()  # host sync
     now = time.perf_counter()
     if self.profile is not None:
@@ -148,7 +174,7 @@ class Steps:
     if not bool(m["finite"]):
       progress.counters["skipped-steps"] = progress.counters.get("skipped-steps", 0) + 1
       if self.training.on_nan == "stop":
-        raise NonFinite(step)
+        raise NonFinite(step, self._state)
     else:
       progress.train_loss = float(m["loss"])
     self.feed.trained(info)
@@ -157,6 +183,7 @@ class Steps:
 
   def close(self) -> None:
     """Ends a trace that the run stopped before its last step."""
+    self._state = None
     if self.profile is not None:
       self.profile.stop()
 
@@ -178,35 +205,35 @@ class Steps:
       if step % max(dd.every, 1) == 0:
         self.metrics.emit("diagnostic", step=step, name=d.name, value=float(m["diag/" + d.name]))
 
-
-def call_step(c, st, state, batches, flag, step: int, metrics, log):
-  """One step; an allocation that fails is retried once after releasing JAX's caches,
-  when the state it was given is still whole (not yet donated to the failed call)."""
-  for attempt in (0, 1):
-    try:
-      if st.ranks > 1:
-        return st(state, batches, st.stop_flags(flag.received or 0))
-      return st(state, batches)
-    except jax.errors.JaxRuntimeError as e:
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      whole = not any(getattr(x, "is_deleted", lambda: False)()
-                      for x in jax.tree_util.tree_leaves(state))
-      detail = str(e).strip().splitlines()[0][:200]
-      retry = attempt == 0 and whole
-      line = (f"memory: allocation failed at step {step} ({detail}); caches released, "
-              + ("retrying once" if retry else "stopping"))
-      log(line)
-      metrics.emit("annotation", name="allocation failed", text=line, step=step, retried=retry)
-      if not retry:
-        raise SxError("E-MEM-001", f"an allocation failed at step {step} although the plan "
-                      f"fit ({detail})", where="the device's memory",
-                      fix="the last checkpoint is intact; shrink the run: "
-                      + "; ".join(shrink_hints(c.selection.knobs) +
-                                  [":remat true on the repeated block",
-                                   "SEXPGPU_MEMORY to plan against less"])) from None
-      jax.clear_caches()
-      gc.collect()
+  def _call(self, st, state, batches, step: int):
+    """One step; an allocation that fails is retried once after releasing JAX's caches,
+    when the state it was given is still whole (not yet donated to the failed call)."""
+    for attempt in (0, 1):
+      try:
+        if st.ranks > 1:
+          return st(state, batches, st.stop_flags(self.stop.flag.received or 0))
+        return st(state, batches)
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        whole = not any(getattr(x, "is_deleted", lambda: False)()
+                        for x in jax.tree_util.tree_leaves(state))
+        detail = str(e).strip().splitlines()[0][:200]
+        retry = attempt == 0 and whole
+        line = (f"memory: allocation failed at step {step} ({detail}); caches released, "
+                + ("retrying once" if retry else "stopping"))
+        self.log(line)
+        self.metrics.emit("annotation", name="allocation failed", text=line, step=step,
+                          retried=retry)
+        if not retry:
+          raise SxError("E-MEM-001", f"an allocation failed at step {step} although the "
+                        f"plan fit ({detail})", where="the device's memory",
+                        fix="the last checkpoint is intact; shrink the run: "
+                        + "; ".join(shrink_hints(self.c.selection.knobs) +
+                                    [":remat true on the repeated block",
+                                     "SEXPGPU_MEMORY to plan against less"])) from None
+        jax.clear_caches()
+        gc.collect()
 
 
 def node_left(rdv, e: BaseException, step: int, checkpoint: str | None) -> None:

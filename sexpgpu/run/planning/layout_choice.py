@@ -16,8 +16,8 @@ import time
 
 from sexpgpu.devices import memory as mem
 from sexpgpu.lang.mesh import is_auto
-from sexpgpu.run.layout_plan import (LAYOUT_MODEL, Candidate, LayoutChoice, candidates, pick,
-                                     refuse, tokens_a_step)
+from sexpgpu.run.planning.layout_plan import (LAYOUT_MODEL, Candidate, Fleet, LayoutChoice,
+                                              candidates, pick, refuse, tokens_a_step)
 
 HOST_TIMED = 6  # layouts timed at most on host devices (a compile and a few steps each)
 
@@ -32,21 +32,24 @@ def _with_sharding(c, text: str):
 
 def _memory_plan(c, place, text: str, cache_dir: str):
   """The compiled memory plan of a layout (plan.choose at the largest stacking degree)."""
-  from sexpgpu.run import plan
+  from sexpgpu.run.planning import plan
   from sexpgpu.run.training import build
   cc = _with_sharding(c, text)
   training = build(cc, place)
   k = training.k
   state = training.abstract_state()
   batches = training.abstract_batches(c.stages[0].data, (k,))
-  return plan.choose(training, 0, k // training.ranks, state, batches, place.first, False,
-                     cache_dir), training
+  return plan.choose(training, 0, k // training.ranks, state, batches,
+                     plan.Setting(cache_dir)), training
 
 
-def _time(trainings: dict, planned: dict, c, place, free: float, rounds: int = 3,
-          steps: int = 2) -> dict:
+# Timing layouts: after a first step each, ROUNDS rounds of STEPS steps a layout.
+ROUNDS, STEPS = 3, 2
+
+
+def _time(trainings: dict, planned: dict, c, place, free: float) -> dict:
   """Each layout's fastest step on zero batches, {text: seconds}: after a first step each
-  (warm), `rounds` rounds in a rotating order of `steps` steps a layout, so that a burst of
+  (warm), ROUNDS rounds in a rotating order of STEPS steps a layout, so that a burst of
   other work on the machine falls on every layout alike. When their memory plans' bytes
   (`planned`, by text) together exceed `free`, one layout at a time, each freed before the
   next."""
@@ -77,16 +80,16 @@ def _time(trainings: dict, planned: dict, c, place, free: float, rounds: int = 3
       live = start(trainings[text])
       run(live, text, 1)
       best.pop(text)  # the first step may have waited on memory or a lazy compile
-      run(live, text, rounds * steps)
+      run(live, text, ROUNDS * STEPS)
       del live
     return best
   lives = {text: start(trainings[text]) for text in texts}
   for text in texts:
     run(lives[text], text, 1)
   best.clear()
-  for r in range(rounds):
+  for r in range(ROUNDS):
     for text in texts[r % len(texts):] + texts[:r % len(texts)]:
-      run(lives[text], text, steps)
+      run(lives[text], text, STEPS)
   return best
 
 
@@ -103,7 +106,8 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
   from sexpgpu import env
   from sexpgpu.lower.flops import device_peak, train_flops
   from sexpgpu.reader.forms import Symbol
-  from sexpgpu.run import links, plan
+  from sexpgpu.run import links
+  from sexpgpu.run.planning import plan
   devices, nodes = place.ranks, place.nodes
   k = int(c.exp.run["microbatches"])
   flops = train_flops(c.stages[0].graph, k)
@@ -140,7 +144,8 @@ def resolve(c, place, cache_dir: str, log=None) -> LayoutChoice | None:
     fitting.append(cand)
   best, close = pick([x for x in cands if x in fitting or x.dropped])
   if best is None:
-    raise refuse(cands, "--set sharding=auto", c, "SEXPGPU_DEVICES naming", hw, free, nodes)
+    raise refuse(cands, "--set sharding=auto", c, "SEXPGPU_DEVICES naming",
+                 Fleet(hw, free, nodes))
   if known and not known[0].dropped:
     best, how = next(x for x in cands if x.text == remembered and not x.dropped), "remembered"
   elif len([x for x in cands if not x.dropped]) == 1:

@@ -19,7 +19,7 @@ repeated blocks:
   backward) and of the vocabulary-split embedding, expert's all-to-alls (dispatch and
   combine, forward and backward). Ring costs: an all-reduce moves 2(n−1)/n of its bytes,
   an all-gather, reduce-scatter or all-to-all (n−1)/n. On a GPU of links.py's table,
-  run/gpu_cost.py's model sets the compute and each collective's exposed seconds instead.
+  run/planning/gpu_cost.py's model sets the compute and each collective's exposed seconds instead.
 
 On a run's own devices the plan's memory is confirmed by the memory plan (plan.py, compiled
 for abstract values) for the best candidates until two fit, those within 5% are timed on the
@@ -49,7 +49,7 @@ TENSOR_SHARE = 24 / 34  # of a layer's activations, the part inside Megatron's p
 # The activations a step keeps for its backward: the inputs its backward reads (lower/flops.py's
 # SAVES: products, nonlinearities, normalizations), each counted once through the views
 # (`views`), which XLA keeps no copy of; what XLA fuses away (sums, views) is not kept.
-VIEWS = OpTable("view", "sexpgpu/run/layout_plan.py", complete=False)
+VIEWS = OpTable("view", "sexpgpu/run/planning/layout_plan.py", complete=False)
 VIEWS.register("the same values, another shape or dtype", "reshape", "transpose", "broadcast",
                "expand", "squeeze", "cast")
 
@@ -84,7 +84,7 @@ class Candidate:
   # would fit were they to: the refusal is then the microbatches', not the memory's
   fits_but_k: bool = False
   k_memory: float = 0.0  # then its memory a device, as estimated
-  terms: dict | None = None  # a GPU's step time by term (run/gpu_cost.py), seconds
+  terms: dict | None = None  # a GPU's step time by term (run/planning/gpu_cost.py), seconds
 
   @property
   def ranks(self) -> int:
@@ -282,7 +282,9 @@ _MOVED = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 
           "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n}
 
 
-def _collective(mesh, axis, kind, nbytes, count, hw, nodes) -> Collective | None:
+def _collective(mesh, axis, kind, moved: tuple[float, int], hw, nodes) -> Collective | None:
+  """The collective a step runs over `axis` of `mesh`, moving (bytes, calls), or None."""
+  nbytes, count = moved
   n = dict(mesh).get(axis, 1)
   if n <= 1 or count == 0:
     return None
@@ -291,22 +293,20 @@ def _collective(mesh, axis, kind, nbytes, count, hw, nodes) -> Collective | None
   return Collective(axis, kind, nbytes, count, crosses, secs)
 
 
-def estimate(c, cand: Candidate, hw: Hardware, nodes: int, facts: dict, pairs, state,
-             microbatches: int, precision: str) -> Candidate:
+def estimate(c, cand: Candidate, hw: Hardware, nodes: int, facts: dict, state) -> Candidate:
   """Fills a candidate's memory a device, compute seconds and collectives.
 
   Args:
-    c: the Compiled experiment.
+    c: the Compiled experiment (its microbatches a step, K, and its precision: bf16 halves
+      the activations' bytes).
     cand: the candidate (mesh, remat).
     hw: the devices and links.
     nodes: how many nodes the devices span.
     facts: `_graph_facts` of the train graph.
-    pairs: lower/layouts.py's find_pairs of the train graph.
     state: the abstract train state (ShapeDtypeStructs).
-    microbatches: K, microbatches a step.
-    precision: the run's precision (bf16 halves the activations' bytes).
   """
   import jax
+  microbatches, precision = int(c.exp.run["microbatches"]), str(c.exp.run["precision"])
   from sexpgpu.lower.flops import forward_flops, train_flops
   from sexpgpu.lower.layouts import param_specs
   graph = c.stages[0].graph
@@ -363,20 +363,20 @@ def estimate(c, cand: Candidate, hw: Hardware, nodes: int, facts: dict, pairs, s
                                                   "expert_in"))
   gathered = a * p_model  # params are f32; a bf16 run gathers them as bf16
   cols = [
-      _collective(cand.mesh, "data", "all-reduce", g_model / f, leaves, hw, nodes),
-      _collective(cand.mesh, "fsdp", "all-gather", 2 * k_dev * gathered, 2 * k_dev * leaves,
+      _collective(cand.mesh, "data", "all-reduce", (g_model / f, leaves), hw, nodes),
+      _collective(cand.mesh, "fsdp", "all-gather", (2 * k_dev * gathered, 2 * k_dev * leaves),
                   hw, nodes),
-      _collective(cand.mesh, "fsdp", "reduce-scatter", g_model, leaves, hw, nodes),
+      _collective(cand.mesh, "fsdp", "reduce-scatter", (g_model, leaves), hw, nodes),
       _collective(cand.mesh, "tensor", "all-reduce",
-                  a * k_dev * (2 * pair[0] + embed[0] + head[0]),
-                  k_dev * (2 * pair[1] + embed[1] + head[1]), hw, nodes),
-      _collective(cand.mesh, "expert", "all-to-all", a * k_dev * 2 * expert[0],
-                  k_dev * 4 * expert[1], hw, nodes),
+                  (a * k_dev * (2 * pair[0] + embed[0] + head[0]),
+                   k_dev * (2 * pair[1] + embed[1] + head[1])), hw, nodes),
+      _collective(cand.mesh, "expert", "all-to-all", (a * k_dev * 2 * expert[0],
+                                                      k_dev * 4 * expert[1]), hw, nodes),
   ]
   cand.collectives = [x for x in cols if x is not None]
-  from sexpgpu.run import gpu_cost
+  from sexpgpu.run.planning import gpu_cost
   if hw.name in gpu_cost.GPUS:  # a GPU: achievable rates, overlap and launches
-    gpu_cost.charge(cand, graph, hw, microbatches, precision)
+    gpu_cost.charge(cand, graph, hw, microbatches, precision, c.exp.run.get("fp8"))
   return cand
 
 
@@ -406,7 +406,6 @@ def candidates(c, devices: int, nodes: int, hw: Hardware, free: float, remats=No
   facts = _graph_facts(graph, pairs)
   state = build(c).abstract_state()
   k = int(c.exp.run["microbatches"])
-  precision = str(c.exp.run["precision"])
   if remats is None:
     remats = (False, True) if facts["repeats"] else (False,)
   grid = meshes(devices, bool(pairs.experts))
@@ -417,13 +416,13 @@ def candidates(c, devices: int, nodes: int, hw: Hardware, free: float, remats=No
       why = _fails_sizes(mesh, pairs)
       if why is None and k % cand.ranks:
         why = (f"the {k} microbatches do not divide over its {cand.ranks} data-parallel ranks")
-        probe = estimate(c, Candidate(mesh, remat), hw, nodes, facts, pairs, state, k, precision)
+        probe = estimate(c, Candidate(mesh, remat), hw, nodes, facts, state)
         cand.fits_but_k, cand.k_memory = probe.memory <= free, probe.memory
       if why is not None:
         cand.dropped = why
         out.append(cand)
         continue
-      estimate(c, cand, hw, nodes, facts, pairs, state, k, precision)
+      estimate(c, cand, hw, nodes, facts, state)
       if cand.memory > free:
         cand.dropped = f"does not fit: {mem.human(cand.memory)} of {mem.human(free)}"
       out.append(cand)
@@ -439,8 +438,18 @@ def pick(cands: list, measured: bool = False) -> tuple[Candidate | None, list]:
   return best, [x for x in fit[:2] if x.time <= best.time * (1 + CLOSE)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Fleet:
+  """The devices a layout is planned on: their hardware and links (None: not known), the
+  bytes a device may use, the nodes they span."""
+
+  hw: Hardware | None = None
+  free: float = 0.0
+  nodes: int = 1
+
+
 def refuse(cands: list, where: str, c=None, devices_flag: str = "--devices",
-           hw: Hardware | None = None, free: float = 0.0, nodes: int = 1) -> SxError:
+           fleet: Fleet = Fleet()) -> SxError:
   """The error when no candidate is left: E-DP-003 when a layout that would fit is dropped
   only because the microbatches do not divide over its data-parallel ranks (the fix names
   :microbatches and the device counts that divide them), else E-MEM-001.
@@ -450,12 +459,12 @@ def refuse(cands: list, where: str, c=None, devices_flag: str = "--devices",
     where: the setting the choice came from (`--set sharding=auto`).
     c: the Compiled experiment (for the microbatches and the device counts that divide).
     devices_flag: what sets the device count: `--devices` on paper, SEXPGPU_DEVICES in a run.
-    hw, free, nodes: the devices, the bytes a device may use and the nodes they span (for
-      the counts that fit).
+    fleet: the devices, the bytes a device may use and the nodes they span (for the counts
+      that fit).
   """
   blocked = [x for x in cands if x.fits_but_k]
   if blocked and c is not None:
-    return _refuse_microbatches(c, blocked, where, devices_flag, hw, free, nodes)
+    return _refuse_microbatches(c, blocked, where, devices_flag, fleet)
   fits = [x for x in cands if x.memory]
   small = min(fits, key=lambda x: x.memory) if fits else None
   return SxError("E-MEM-001", "no layout of :sharding auto fits: "
@@ -465,13 +474,13 @@ def refuse(cands: list, where: str, c=None, devices_flag: str = "--devices",
                                    if small else "more devices, or a smaller model"))
 
 
-def _refuse_microbatches(c, blocked, where, devices_flag, hw, free, nodes) -> SxError:
+def _refuse_microbatches(c, blocked, where, devices_flag, fleet: Fleet) -> SxError:
   k = int(c.exp.run["microbatches"])
   blocked = sorted(blocked, key=lambda x: (x.ranks, x.k_memory))
   best = blocked[0]
   more = best.ranks * -(-k // best.ranks)  # the least multiple of its ranks above k
   devices = math.prod(s for _, s in best.mesh)
-  counts = dividing_counts(c, k, devices, nodes, hw, free)
+  counts = dividing_counts(c, k, devices, fleet)
   fewer = (f", or {devices_flag} " + " or ".join(f"{n} ({x.name})" for n, x in counts)
            if counts else "")
   return SxError(
@@ -485,17 +494,16 @@ def _refuse_microbatches(c, blocked, where, devices_flag, hw, free, nodes) -> Sx
           f"its {best.ranks} data-parallel ranks){fewer}")
 
 
-def dividing_counts(c, k: int, devices: int, nodes: int, hw: Hardware | None, free: float,
-                    most: int = 3) -> list:
-  """The largest device counts below `devices` (a multiple of `nodes`) with a layout whose
-  data-parallel ranks divide the `k` microbatches (and that fits, given `hw`): up to `most`
-  (count, candidate) pairs."""
+def dividing_counts(c, k: int, devices: int, fleet: Fleet, most: int = 3) -> list:
+  """The largest device counts below `devices` (a multiple of the fleet's nodes) with a
+  layout whose data-parallel ranks divide the `k` microbatches (and that fits, given the
+  fleet's hardware): up to `most` (count, candidate) pairs."""
   from sexpgpu.lower.layouts import find_pairs
   from sexpgpu.run.training import build
   graph = c.stages[0].graph
   pairs = find_pairs(graph)
   facts, state = _graph_facts(graph, pairs), build(c).abstract_state()
-  precision = str(c.exp.run["precision"])
+  hw, free, nodes = fleet.hw, fleet.free, fleet.nodes
   out = []
   for n in range(devices - 1, 0, -1):
     if n % nodes or len(out) == most:
@@ -504,7 +512,7 @@ def dividing_counts(c, k: int, devices: int, nodes: int, hw: Hardware | None, fr
       cand = Candidate(mesh, False)
       if _fails_sizes(mesh, pairs) is None and k % cand.ranks == 0:
         if hw is not None:
-          estimate(c, cand, hw, nodes, facts, pairs, state, k, precision)
+          estimate(c, cand, hw, nodes, facts, state)
           if cand.memory > free:
             continue
         out.append((n, cand))
@@ -539,7 +547,7 @@ def paper(c, gpu: str, devices: int, nodes: int = 1) -> LayoutChoice:
     cands = mine
   best, close = pick(cands)
   if best is None:
-    raise refuse(cands, "--set sharding=auto", c, "--devices", hw, free, nodes)
+    raise refuse(cands, "--set sharding=auto", c, "--devices", Fleet(hw, free, nodes))
   k = int(c.exp.run["microbatches"])
   return LayoutChoice(best, "only" if len([x for x in cands if not x.dropped]) == 1 else "model",
                       cands, hw, train_flops(c.stages[0].graph, k), tokens_a_step(c) * k, devices,
@@ -571,7 +579,7 @@ def paper_text(c, choice: LayoutChoice, gpu: str) -> str:
                "bandwidth)" if c_.terms else "nothing overlapped)"))
   lines += choice.collective_lines()
   if c_.terms:
-    from sexpgpu.run.gpu_cost import terms_line
+    from sexpgpu.run.planning.gpu_cost import terms_line
     lines.append(f"  step time   {terms_line(c_)} (a device)")
   lines.append(f"  estimate    step {_ms(t)}, {tokens:,.0f} tokens/s a GPU, MFU "
                f"{100 * choice.mfu():.0f}% (model FLOPs {choice.flops:.3g} a step over "
@@ -580,5 +588,5 @@ def paper_text(c, choice: LayoutChoice, gpu: str) -> str:
   return "\n".join(lines) + "\n"
 
 
-__all__ = ["AUTO", "Candidate", "LayoutChoice", "candidates", "estimate", "meshes", "paper",
+__all__ = ["AUTO", "Candidate", "Fleet", "LayoutChoice", "candidates", "estimate", "meshes", "paper",
            "paper_text", "pick", "refuse", "tokens_a_step"]

@@ -233,11 +233,16 @@ def _product_fp8(node, gpu: GpuCost) -> tuple[float, float]:
   """An FP8 product's three GEMMs at the FP8 rate with one-byte operands, and the seconds
   its current scaling spends quantising x, w (forward) and the cotangent (backward)."""
   x, w = node.inputs[:2]
-  k, m, n = x.shape[-1], math.prod(x.shape[:-1]), node.shape[-1]
+  act, wt = FP8_QUANT_BYTES["activation"], FP8_QUANT_BYTES["weight"]
   fast = dataclasses.replace(gpu, peak=gpu.peak * FP8_SPEEDUP)
+  if node.op == "einsum":  # an expert einsum: its three products at the FP8 MAMF rate
+    from sexpgpu.lower.flops import node_flops
+    quant = (act * math.prod(x.shape) + wt * math.prod(w.shape)
+             + act * math.prod(node.shape)) / gpu.hbm
+    return 3 * node_flops(node) / (fast.peak * fast.mamf), quant
+  k, m, n = x.shape[-1], math.prod(x.shape[:-1]), node.shape[-1]
   gemms = (matmul_seconds(fast, m, n, k, 1) + matmul_seconds(fast, m, k, n, 1)
            + matmul_seconds(fast, k, n, m, 1))
-  act, wt = FP8_QUANT_BYTES["activation"], FP8_QUANT_BYTES["weight"]
   quant = (act * m * k + wt * k * n + act * m * n) / gpu.hbm
   return gemms, quant
 
@@ -268,16 +273,17 @@ def _value_bytes(node, item: int) -> int:
 _CACHE: dict = {}
 
 
-def work(graph, gpu: GpuCost, precision: str) -> dict:
-  """`graph_work`, remembered for the graph (every candidate of a plan shares it)."""
-  key = (id(graph), gpu.name, precision)
+def work(graph, gpu: GpuCost, precision: str, only: tuple = ()) -> dict:
+  """`graph_work`, remembered for the graph (every candidate of a plan shares it); `only`:
+  the run's `:fp8` globs (lower/fp8.py's `selected`)."""
+  key = (id(graph), gpu.name, precision, tuple(only))
   if precision not in ("bf16", "fp8"):  # f32 runs take TF32's tensor-core rate (links.py)
     gpu = dataclasses.replace(gpu, peak=gpu.peak / 2)
   if key not in _CACHE or _CACHE[key][0] is not graph:
     fp8 = frozenset()
     if precision == "fp8":
       from sexpgpu.lower.fp8 import selected
-      fp8 = selected(graph)
+      fp8 = selected(graph, tuple(only))
     _CACHE[key] = (graph, graph_work(graph, gpu, precision, fp8))
   return _CACHE[key][1]
 
@@ -302,7 +308,7 @@ def exposed(col, gpu: GpuCost, n: int, compute: float, blocks: int) -> float:
   return secs
 
 
-def charge(cand, graph, hw, microbatches: int, precision: str) -> None:
+def charge(cand, graph, hw, microbatches: int, precision: str, fp8_spec=None) -> None:
   """Sets a layout_plan Candidate's compute and collectives' seconds by this model and keeps
   each term in `cand.terms` (seconds a step on one device).
 
@@ -312,9 +318,10 @@ def charge(cand, graph, hw, microbatches: int, precision: str) -> None:
     hw: links.py's Hardware of a GPU of `GPUS`.
     microbatches: K, microbatches a step.
     precision: the run's precision.
+    fp8_spec: the run's `:fp8` (front/tuning.py's Spec of its globs), or None.
   """
   gpu = cost(hw.name)
-  w = work(graph, gpu, precision)
+  w = work(graph, gpu, precision, () if fp8_spec is None else tuple(fp8_spec.get("patterns")))
   devices = math.prod(s for _, s in cand.mesh)
   share = microbatches / devices  # microbatches a device runs (a tensor group splits each)
   remat = w["repeat"] if cand.remat else 0.0

@@ -56,6 +56,15 @@ def _ms(s: float) -> str:
   return f"{s * 1e3:.1f} ms"
 
 
+@dataclasses.dataclass(frozen=True)
+class Given:
+  """The degrees a stacking choice is given before any model: SEXPGPU_STACKING's, which
+  fixes it, and the one choices.json remembers for this graph and device."""
+
+  fixed: int | None = None
+  remembered: int | None = None
+
+
 def check_fixed(fixed: int, k_per_rank: int) -> None:
   """Refuses a fixed stacking degree (SEXPGPU_STACKING) that does not divide the microbatches
   each rank runs in a step, before any step is compiled at it.
@@ -73,9 +82,8 @@ def check_fixed(fixed: int, k_per_rank: int) -> None:
 
 
 def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mapping[int, float],
-                    measured: Mapping[int, float] | None, remembered: int | None,
-                    fixed: int | None, can_measure: bool = True,
-                    why_not: str = "no room to measure") -> tuple[int, str, str]:
+                    measured: Mapping[int, float] | None = None, given: Given = Given(),
+                    why_not: str | None = None) -> tuple[int, str, str]:
   """Chooses how many microbatches one call of the training graph runs.
 
   The rules, in order: SEXPGPU_STACKING fixes it; the only degree that fits;
@@ -89,13 +97,13 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
     fits: degree → whether the plan at that degree fits.
     predicted: degree → the cost model's seconds per step.
     measured: degree → measured seconds per step at the first step, or None.
-    remembered: the degree choices.json holds for this graph and device, or None.
-    fixed: SEXPGPU_STACKING's degree, or None for auto.
-    can_measure: whether a measurement is possible (a second state copy fits, and
-      one node: several nodes would have to time their steps in lockstep). Close
-      degrees whose measurement would outlast MEASURE_BUDGET_S are not measured
-      either: a slow step (a large model on the CPU) is left to the model.
-    why_not: why it is not, for the report line.
+    given: SEXPGPU_STACKING's degree (None for auto) and the one choices.json holds for
+      this graph and device (or None).
+    why_not: None when a measurement is possible (a second state copy fits, and one
+      node: several nodes would have to time their steps in lockstep), else why it is
+      not, for the report line. Close degrees whose measurement would outlast
+      MEASURE_BUDGET_S are not measured either: a slow step (a large model on the CPU)
+      is left to the model.
 
   Returns:
     (degree, how, text): how is one of "fixed", "only", "remembered", "model",
@@ -104,8 +112,9 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
     text is the stacking report line's value.
 
   Raises:
-    SxError: E-ENV-001 when `fixed` does not divide k_per_rank.
+    SxError: E-ENV-001 when `given.fixed` does not divide k_per_rank.
   """
+  fixed, remembered = given.fixed, given.remembered
   if fixed is not None:
     check_fixed(fixed, k_per_rank)
     note = "" if fits.get(fixed, True) else ", beyond the plan"
@@ -127,9 +136,9 @@ def choose_stacking(k_per_rank: int, fits: Mapping[int, bool], predicted: Mappin
   if len(close) < 2:
     return best, "model", f"{best}: the cost model ({listing})"
   cost = MEASURE_RUNS * sum(preds[d] for d in close)
-  if can_measure and cost > MEASURE_BUDGET_S:
-    can_measure, why_not = False, f"measuring would take about {cost:.0f} s"
-  if not can_measure:
+  if why_not is None and cost > MEASURE_BUDGET_S:
+    why_not = f"measuring would take about {cost:.0f} s"
+  if why_not is not None:
     return best, "model", f"{best}: the cost model, within 5% but {why_not} ({listing})"
   if not measured or any(d not in measured for d in close):
     return best, "measure", f"{best}: to be measured at the first step ({listing})"
@@ -318,7 +327,7 @@ class ChoiceCache:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write_json(self.path, data)
 
-  # `:sharding auto`'s choices (run/layout_plan.py) live in the same file, under their own
+  # `:sharding auto`'s choices (run/planning/layout_plan.py) live in the same file, under their own
   # key, with the layout model's version.
   def layout(self, fingerprint: str, device: str, model: int) -> str | None:
     """The remembered layout (`tensor:4`, `replicate`) of `:sharding auto`, or None."""
@@ -421,25 +430,34 @@ def state_parts(training, mine: dict, accumulators: int) -> dict[str, int]:
   return parts
 
 
-def choose(training, stage: int, fixed: int | None, state, batches, device,
-           checkpointing: bool, cache_dir: str, several_nodes: bool = False,
-           buffered_batches: int = 3) -> Choice:
+# Step batches on the device at once: the one in use and those drawn ahead (run/feed.py).
+BUFFERED_BATCHES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """What a plan needs of the run around its steps."""
+
+  cache_dir: str  # where choices.json and rates.json are kept
+  checkpointing: bool = False  # a copy of the state is kept while a checkpoint is written
+  several_nodes: bool = False  # node 0's choice is every node's (nothing is measured)
+
+
+def choose(training, stage: int, fixed: int | None, state, batches, setting: Setting) -> Choice:
   """Compiles the step at each stacking degree that could be used, and picks one.
 
   Args:
-    training: the run's Training (run/training.py): its steps and pass steps.
+    training: the run's Training (run/training.py): its steps and pass steps, and the
+      placement whose first device is planned.
     stage: the curriculum stage whose step is planned.
     fixed: SEXPGPU_STACKING's degree or None.
     state, batches: abstract train state and one step's abstract batches.
-    device: the first device of the run.
-    checkpointing: whether a copy of the state is kept while a checkpoint is written.
-    cache_dir: where choices.json and rates.json are kept.
-    several_nodes: node 0's choice is every node's (nothing is measured).
-    buffered_batches: step batches on the device at once (the one in use, those ahead).
+    setting: the cache folder, whether checkpoints keep a copy of the state, several nodes.
 
   Raises:
     SxError: E-MEM-001 when no degree fits.
   """
+  device, cache_dir = training.place.first, setting.cache_dir
   per_rank = training.k // training.ranks
   if fixed is not None:
     check_fixed(fixed, per_rank)
@@ -453,7 +471,8 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
   parts_1 = state_parts(training, mine, accumulators=1)
   state_total = mem.tree_bytes(mine)
   outside = mem.outside_bytes(mem.tree_bytes(batches), state_total,
-                              buffered_batches=buffered_batches, checkpoint_copy=checkpointing)
+                              buffered_batches=BUFFERED_BATCHES,
+                              checkpoint_copy=setting.checkpointing)
   free = mem.free_bytes_of(device, env.get("SEXPGPU_MEMORY"))
   reserve = mem.reserve_for(device)
   plans, execs, predicted = {}, {}, {}
@@ -479,12 +498,12 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
   remembered = cache.get(training.c.graph_fingerprint, name)
   can_measure = all(p.total + state_total + p.reserve <= p.free for d, p in plans.items()
                     if fits[d])
-  why_not = "no room to measure"
-  if several_nodes:
-    can_measure, why_not = False, "several nodes do not measure"
-  degree, how, text = choose_stacking(per_rank, fits, predicted, None, remembered, fixed,
-                                      can_measure, why_not)
-  if several_nodes:  # each node's timings and choices.json may differ: node 0 decides for all
+  why_not = None if can_measure else "no room to measure"
+  if setting.several_nodes:
+    why_not = "several nodes do not measure"
+  degree, how, text = choose_stacking(per_rank, fits, predicted, None,
+                                      Given(fixed, remembered), why_not)
+  if setting.several_nodes:  # each node's timings and choices.json may differ: node 0 decides for all
     from sexpgpu.devices.nodes import follow_node_0
     degree, how, text = follow_node_0("stacking", [degree, how, text])
   if how == "none":
@@ -505,8 +524,10 @@ def choose(training, stage: int, fixed: int | None, state, batches, device,
                 {d: p.total for d, p in plans.items()})
 
 
-def measure(choice: Choice, training, stage: int, state, batches, device, cache_dir: str) -> Choice:
-  """Times one step at each close degree on a copy of the state, keeps the fastest, remembers it."""
+def measure(choice: Choice, training, stage: int, state, batches, cache_dir: str) -> Choice:
+  """Times one step at each close degree on a copy of the state (on the run's devices),
+  keeps the fastest, remembers it."""
+  device = training.place.first
   measured = {}
   for d in choice.candidates:
     step = training.step(stage, d)
@@ -528,8 +549,7 @@ def measure(choice: Choice, training, stage: int, state, batches, device, cache_
       jax.clear_caches()  # this degree does not fit after all: it is not chosen
     measured[d] = best
   per_rank = training.k // training.ranks
-  degree, how, text = choose_stacking(per_rank, choice.fits, choice.predicted, measured,
-                                      None, None)
+  degree, how, text = choose_stacking(per_rank, choice.fits, choice.predicted, measured)
   ChoiceCache(os.path.join(cache_dir, "choices.json")).put(
       training.c.graph_fingerprint, device_name(device, training.ranks), degree, measured)
   return dataclasses.replace(choice, degree=degree, how=how, text=text, candidates=[])
