@@ -19,8 +19,17 @@ def jsonable(v: Any) -> Any:
 
 def versions() -> dict:
   """The versions of sexpgpu, jax, jaxlib and Python."""
-  from importlib.metadata import version
   import jax
   import jaxlib
-  return {"sexpgpu": version("sexpgpu"), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+  return {"sexpgpu": sexpgpu_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "python": platform.python_version()}
+
+
+def sexpgpu_version() -> str:
+  """sexpgpu's installed version, or "source" when it is imported from a checkout that was
+  never installed (PYTHONPATH pointing at it): a run records that rather than failing."""
+  from importlib.metadata import PackageNotFoundError, version
+  try:
+    return version("sexpgpu")
+  except PackageNotFoundError:
+    return "source"

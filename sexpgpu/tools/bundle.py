@@ -26,12 +26,12 @@ import errno
 import hashlib
 import json
 import os
-import platform
 import shutil
 import time
 import zipfile
 from typing import Iterator
 
+from sexpgpu import record
 from sexpgpu.errors import SxError
 from sexpgpu.run.output import err
 from sexpgpu.paths import replacing, without_credentials
@@ -46,14 +46,6 @@ def sha256_file(path: str) -> str:
     for block in iter(lambda: f.read(1 << 20), b""):
       h.update(block)
   return h.hexdigest()
-
-
-def _versions() -> dict:
-  from importlib.metadata import version
-  import jax
-  import jaxlib
-  return {"sexpgpu": version("sexpgpu"), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "python": platform.python_version()}
 
 
 def _loader_files(loaders) -> list[tuple[str, str, str]]:
@@ -130,7 +122,7 @@ def make_bundle(path: str, out: str, variant: str | None = None,
   manifest = {
       "format": FORMAT, "version": 1, "experiment": members[exp_abs],
       "variant": variant, "sets": [[k, without_credentials(v)] for k, v in sets], "slug": c.slug,
-      "fingerprint": c.fingerprint, "versions": _versions(), "created_at": time.time(),
+      "fingerprint": c.fingerprint, "versions": record.versions(), "created_at": time.time(),
       "files": {members[f]: {"sha256": sha256_file(f), "bytes": os.path.getsize(f),
                              "kind": "data" if f in data and f not in sources else "source"}
                 for f in files},
