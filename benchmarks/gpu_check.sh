@@ -19,8 +19,9 @@
 #
 # Usage: benchmarks/gpu_check.sh [--dry] [--gpu H100|H200] [--steps N] [OUT_DIR]
 #   --dry (or GPU_CHECK_DRY=1): end to end on the CPU with tiny stand-ins (the configs' smoke
-#   variants at a 512-token vocabulary, 3 steps, no install, no time limits), for the tests
-#   that keep its arguments and its report's format honest.
+#   variants cut to one layer, one microbatch, 16 tokens of width 64 and a 512-token
+#   vocabulary; 3 steps, a resume of 8; no install, no time limits), for the tests that keep
+#   its arguments and its report's format honest.
 # Writes OUT_DIR/report.txt (and each step's own output beside it); exit 0 when nothing
 # FAILed, 1 when something did, 2 for arguments it does not take.
 # The interpreter: $PYTHON, else the checkout's .venv/bin/python, else python3.
@@ -72,8 +73,13 @@ lim() { if [ "$DRY" = 1 ]; then echo 3600; else echo "$1"; fi; }
 
 if [ "$DRY" = 1 ]; then
   DEVICE=cpu
-  GPT2=(configs/gpt2-small.sx --variant smoke --set vocab=512)
-  LLAMA=(configs/tinyllama.sx --variant smoke --set vocab=512)
+  # the smallest models that still take every path of the report (attention, float8
+  # products, plans, runs, a resume): the compile is the dry mode's cost, and one layer and
+  # one microbatch (a quarter of the kernels) make it the least it can be
+  TINY=(--variant smoke --set vocab=512 --set layers=1 --set microbatches=1 --set seq=16
+        --set width=64 --set heads=2)
+  GPT2=(configs/gpt2-small.sx "${TINY[@]}")
+  LLAMA=(configs/tinyllama.sx "${TINY[@]}" --set kv-heads=1 --set hidden=128)
 else
   DEVICE=cuda
   GPT2=(configs/gpt2-small.sx)
@@ -120,7 +126,7 @@ ARGS=("${GPT2[*]} --set precision=bf16" "${GPT2[*]} --set precision=fp8"
 timeout "$(lim 120)" "$PY" - "$GPU" "$OUT" "${ARGS[@]}" >"$OUT/lowering.txt" 2>"$OUT/lowering.err" <<'PY'
 import sys
 from sexpgpu.errors import SxError
-from sexpgpu.run.check import check
+from sexpgpu.run.check import CheckOptions, check
 
 gpu, out, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
 def parse(text):
@@ -137,9 +143,10 @@ for i, config in enumerate(configs):
   try:
     if i < 2:
       print(f"LOWERING {i}")
-      print(check(path, variant, sets, target="cuda", gpu=gpu), end="")
+      print(check(path, variant, sets, opts=CheckOptions(target="cuda", gpu=gpu)), end="")
     print(f"PLAN {i}")
-    print(check(path, variant, sets, target="cuda", gpu=gpu, devices=1), end="")
+    print(check(path, variant, sets, opts=CheckOptions(target="cuda", gpu=gpu, devices=1)),
+          end="")
   except SxError as e:
     print(f"ERROR {i} {e.code}: {e.message}")
 PY
@@ -156,13 +163,16 @@ for kind, i, body in zip(blocks[0::3], blocks[1::3], blocks[2::3]):
     print(f"LOWERING {name}")
     print("\n".join("  " + ln for ln in body.rstrip().splitlines()))
   elif kind == "PLAN":
-    est = re.search(r"estimate\s+step ([\d.]+) ms, ([\d,]+) tokens/s a GPU, MFU (\d+)%", body)
+    est = re.search(r"estimate\s+step ([\d.]+) (µs|ms), ([\d,]+) tokens/s a GPU, MFU (\d+)%",
+                    body)
     mem = re.search(r"memory\s+([\d.]+ [KMG]iB) a device", body)
     if est is None:
       ok = False
       print(f"FAIL plan {name}: no estimate in the plan")
       continue
-    print(f"PLAN {name}: step {est[1]} ms, {est[2]} tokens/s, MFU {est[3]}%, memory "
+    # in ms as the runs' lines read it (a dry stand-in's step is in µs)
+    step = est[1] if est[2] == "ms" else f"{float(est[1]) / 1e3:g}"
+    print(f"PLAN {name}: step {step} ms, {est[3]} tokens/s, MFU {est[4]}%, memory "
           f"{mem[1] if mem else '-'}")
   else:
     print(f"FAIL lowering {name}: {body.strip()}")
@@ -204,7 +214,7 @@ print(f"{'PASS' if ok else 'FAIL'} run {name}: {len(steps)} steps, "
       + (f"step {secs * 1e3:.1f} ms" if secs else "step -")
       + f" (plan {pred if pred is not None else '-'} ms, measured/plan {ratio}), "
       + f"peak {gib(peak)} of {gib(plan)} planned, attention {att[1] if att else '-'}, "
-      + f"loss {steps[-1]['train/loss']:.4f}" * bool(steps) + "-" * (not steps)
+      + (f"loss {steps[-1]['train/loss']:.4f}" if steps else "loss -")
       + f", {wall} s wall" + ("" if rc == "0" else f" (exit {rc})"))
 sys.exit(0 if ok else 1)
 PY
@@ -217,8 +227,9 @@ run_one "llama-1b fp8" 90 "${LLAMA[@]}" --set precision=fp8
 # 4. kill and resume: SIGKILL once a checkpoint is saved, a resume from the latest one saved,
 #    and the losses from there on bitwise equal to a straight run's (cuDNN in the step on a GPU)
 export SEXPGPU_DETERMINISTIC=1
-R_STEPS=40
-SMALL=(configs/gpt2-small.sx --variant smoke --set precision=bf16 --set checkpoint-every=2
+if [ "$DRY" = 1 ]; then R_STEPS=8; R_MODEL=("${GPT2[@]}")  # the runs' stand-in
+else R_STEPS=40; R_MODEL=(configs/gpt2-small.sx --variant smoke); fi
+SMALL=("${R_MODEL[@]}" --set precision=bf16 --set checkpoint-every=2
        --device "$DEVICE" --eval-every 0 --steps "$R_STEPS")
 timeout "$(lim 30)" "${SX[@]}" run "${SMALL[@]}" --checkpoint-dir "$OUT/ck-straight" \
   --metrics "jsonl:$OUT/straight.jsonl" >"$OUT/straight.out" 2>"$OUT/straight.err"

@@ -53,34 +53,54 @@ def full(tmp_path_factory):
   return tmp, json.loads(out)
 
 
-def _stop_at(tmp, k, sig):
-  def start(attempt):
-    shutil.rmtree(tmp / "ck", ignore_errors=True)
-    metrics = tmp / f"m{attempt}.jsonl"
-    return _start(tmp, metrics), metrics
-  return stop_at(start, k, sig)
+# One run stopped three times, each by another signal at another point (before its first
+# periodic checkpoint, between two, past the curriculum's switch), each stop resumed with
+# --resume latest: four runs hold what three stop-and-resume pairs held, and a resumed run
+# stopped again besides.
+CHAIN = [(2, signal.SIGTERM, 143), (12, signal.SIGINT, 130), (30, signal.SIGHUP, 129)]
 
 
-@pytest.mark.slow  # stopped by a signal, resumed: three runs a case
-@pytest.mark.parametrize("k,sig,code", [(2, signal.SIGTERM, 143), (12, signal.SIGINT, 130),
-                                        (30, signal.SIGHUP, 129)])
-def test_signal_then_resume_is_bitwise(full, tmp_path, k, sig, code):
+@pytest.mark.slow  # stopped by a signal and resumed, three times: four runs
+def test_signal_then_resume_is_bitwise(full, tmp_path):
+  """Each stop exits with its signal's code and a checkpoint, its steps the uninterrupted
+  run's; each resume starts from that checkpoint; the end (losses, evaluations, counters,
+  stage, the final state) is the uninterrupted run's, bitwise."""
   full_tmp, full_summary = full
-  p, out, err, metrics = _stop_at(tmp_path, k, sig)
-  assert p.returncode == code, err
-  stopped = json.loads(out)
-  assert stopped["stopped_by"] == signal.Signals(sig).name
-  assert stopped["checkpoint"] is not None and stopped["steps"] < 60
-  assert "Traceback" not in err
-  r = subprocess.run(sexpgpu_cmd("run", EXP, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics",
+  whole = _losses(full_tmp / "m.jsonl")
+  ck = tmp_path / "ck"
+  last = 0  # the step the previous stop saved
+  for seg, (k, sig, code) in enumerate(CHAIN):
+    resume = ("--resume", "latest") if last else ()
+    if last:
+      shutil.copytree(ck, tmp_path / f"ck{seg}")  # a second try resumes from the same one
+
+    def start(attempt, seg=seg, resume=resume):
+      shutil.rmtree(ck, ignore_errors=True)
+      if resume:
+        shutil.copytree(tmp_path / f"ck{seg}", ck)
+      metrics = tmp_path / f"m{seg}-{attempt}.jsonl"
+      return _start(tmp_path, metrics, *resume), metrics
+    p, out, err, metrics = stop_at(start, max(k, last + 2), sig)
+    assert p.returncode == code, err
+    stopped = json.loads(out)
+    assert stopped["stopped_by"] == signal.Signals(sig).name
+    assert stopped["checkpoint"] is not None and last < stopped["steps"] < 60
+    assert "Traceback" not in err
+    if last:
+      assert f"resume latest={ck}/curriculum/{last}" in err
+      assert [e["action"] for e in _events(metrics, "checkpoint")].count("restored") == 1
+    assert _losses(metrics) == {s: whole[s] for s in range(last + 1, stopped["steps"] + 1)}
+    last = stopped["steps"]
+  metrics = tmp_path / "m-end.jsonl"
+  r = subprocess.run(sexpgpu_cmd("run", EXP, "--checkpoint-dir", str(ck), "--metrics",
                                  f"jsonl:{metrics}", "--json", "--resume", "latest"),
                      cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr
-  assert f"resume latest={tmp_path / 'ck'}/curriculum/{stopped['steps']}" in r.stderr
+  assert f"resume latest={ck}/curriculum/{last}" in r.stderr
   resumed = json.loads(r.stdout)
   for key in ("train_loss", "eval", "counters", "stage"):
     assert resumed[key] == full_summary[key], key
-  assert _losses(metrics) == _losses(full_tmp / "m.jsonl")
+  assert _losses(metrics) == {s: whole[s] for s in range(last + 1, 61)}
   assert [e["action"] for e in _events(metrics, "checkpoint")].count("restored") == 1
   a, _ = _final_state(full_summary["checkpoint"])
   b, meta = _final_state(resumed["checkpoint"])
