@@ -57,7 +57,7 @@ DATA = os.path.join(ROOT, "cache", "shakespeare")
 
 def prepare(data_dir: str) -> str:
   """DATA_DIR/input.txt, written by prepare_shakespeare.py when absent."""
-  text = os.path.join(data_dir, "input.txt")
+  text = os.path.abspath(os.path.join(data_dir, "input.txt"))  # the config reads it, not the cwd
   if not os.path.isfile(text):
     subprocess.run([sys.executable, os.path.join(HERE, "prepare_shakespeare.py"), data_dir,
                     "--no-cache"], check=True)
@@ -89,7 +89,7 @@ def _env(**extra) -> dict:
 
 def _sexpgpu_bin() -> list[str]:
   exe = shutil.which("sexpgpu", path=os.path.dirname(sys.executable)) or shutil.which("sexpgpu")
-  return [exe] if exe else [sys.executable, "-m", "sexpgpu"]
+  return [exe] if exe else [sys.executable, "-m", "sexpgpu.cli.main"]
 
 
 def leg_sexpgpu(text: str, iters: int, caches: str, config: str = CONFIG) -> dict:

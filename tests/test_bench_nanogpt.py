@@ -62,3 +62,23 @@ def test_a_run_builds_the_executables_measured(text, tmp_path):
   assert m, r.stderr
   assert int(m.group(1)) + int(m.group(2)) == EXECUTABLES
   assert int(m.group(2)) == 0  # an empty cache: every one compiled once
+
+
+def test_the_text_reaches_the_config_as_an_absolute_path(tmp_path, monkeypatch):
+  # the config reads `text` beside itself: a relative --data must not be passed on as is
+  import bench_nanogpt
+  (tmp_path / "prepared").mkdir()
+  (tmp_path / "prepared" / "input.txt").write_text("abc\n")
+  monkeypatch.chdir(tmp_path)
+  got = bench_nanogpt.prepare("prepared")
+  assert got == str(tmp_path / "prepared" / "input.txt")
+
+
+def test_without_the_sexpgpu_script_the_legs_run_the_module(monkeypatch):
+  # `python -m sexpgpu` has no __main__: the fallback must be a command that runs
+  import bench_nanogpt
+  monkeypatch.setattr(bench_nanogpt.shutil, "which", lambda *a, **k: None)
+  cmd = bench_nanogpt._sexpgpu_bin()
+  assert cmd[:1] == [sys.executable]
+  r = subprocess.run(cmd + ["--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert r.returncode == 0 and "run" in r.stdout + r.stderr
