@@ -95,7 +95,10 @@ def probe(fn, *args) -> None:
   """Raises what building `fn` for a GPU raises: compiled on a CUDA machine, else lowered
   for CUDA (Triton's own limits then show only on a GPU, so kernels state theirs)."""
   if cuda_present():
-    jax.jit(fn).lower(*args).compile()
+    # on a CUDA device even where the process's default is the CPU (`check --target cuda`
+    # run on a GPU machine): an abstract argument lowers for the default device
+    with jax.default_device(jax.devices("cuda")[0]):
+      jax.jit(fn).lower(*args).compile()
   else:
     lower_for_cuda(fn, *args)
 
