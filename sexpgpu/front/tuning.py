@@ -12,6 +12,15 @@ from sexpgpu.reader import Form, List
 from sexpgpu.reader.forms import head_symbol
 
 
+def _patterns(b: Builder, form: Form, env: Env, key: str, fix: str) -> tuple[str, ...]:
+  """A pattern key's value: a non-empty vector of non-empty glob strings, else E-RUN-002."""
+  v = b.eval(form, env)
+  if not (isinstance(v, tuple) and v and all(isinstance(p, str) and p for p in v)):
+    raise SxError("E-RUN-002", f":{key} is {describe(v)}; it is a vector of glob patterns "
+                  "over parameter paths", location=form.loc, fix=fix)
+  return v
+
+
 def trainable(b: Builder, form: Form | None, env: Env) -> Spec | None:
   """`:trainable ["glob" ...]` as a Spec holding its patterns (matched in ir/lora.py).
 
@@ -20,12 +29,8 @@ def trainable(b: Builder, form: Form | None, env: Env) -> Spec | None:
   """
   if form is None:
     return None
-  v = b.eval(form, env)
-  if not (isinstance(v, tuple) and v and all(isinstance(p, str) and p for p in v)):
-    raise SxError("E-RUN-002", f":trainable is {describe(v)}; it is a vector of glob patterns "
-                  "over parameter paths", location=form.loc,
-                  fix=":trainable [\"*/lm_head/*\" \"*/norm/*\"] (`check --print params` lists "
-                  "the paths)")
+  v = _patterns(b, form, env, "trainable", ":trainable [\"*/lm_head/*\" \"*/norm/*\"] "
+                "(`check --print params` lists the paths)")
   return Spec("trainable", "trainable", (("patterns", v),), form.loc)
 
 
@@ -39,12 +44,8 @@ def fp8(b: Builder, form: Form | None, env: Env, precision: str) -> Spec | None:
   """
   if form is None:
     return None
-  v = b.eval(form, env)
-  if not (isinstance(v, tuple) and v and all(isinstance(p, str) and p for p in v)):
-    raise SxError("E-RUN-002", f":fp8 is {describe(v)}; it is a vector of glob patterns over "
-                  "parameter paths", location=form.loc,
-                  fix=":fp8 [\"*/mlp/*\"] (the products whose weights these name run in "
-                  "float8; `check --print params` lists the paths)")
+  v = _patterns(b, form, env, "fp8", ":fp8 [\"*/mlp/*\"] (the products whose weights these "
+                "name run in float8; `check --print params` lists the paths)")
   if precision != "fp8":
     raise SxError("E-RUN-002", f":fp8 names products to run in float8, but the run's precision "
                   f"is {precision}", location=form.loc,
