@@ -17,7 +17,7 @@ gradient norm is not finite leaves the state as it was (`:on-nan`). The
 only, the update always applied.
 `jax-kept` is the `jax` loop with the host allocator setting sexpgpu makes for
 the shape (`sexpgpu.run.backend.keep_host_memory`, when
-`run.loop.wants_kept_host_memory`): the same compiled step on the same
+`run.setup.wants_kept_host_memory`): the same compiled step on the same
 allocator, so sexpgpu/jax-kept is sexpgpu's own overhead.
 
 Two per-step times are measured, the same way in every leg:
@@ -312,7 +312,7 @@ def run_leg(leg: str, shape_name: str, total: int, init_path: str, jax_scan: boo
     if leg == "jax-kept":  # sexpgpu's choice for this shape, before the backend starts
       import sexpgpu
       from sexpgpu.run.backend import keep_host_memory
-      from sexpgpu.run.loop import wants_kept_host_memory
+      from sexpgpu.run.setup import wants_kept_host_memory
       if wants_kept_host_memory(sexpgpu.compile(SX, set=shape)._c):
         keep_host_memory()
     out = leg_jax(shape, total, init_path, unroll=not jax_scan, bare=leg == "jax-bare")

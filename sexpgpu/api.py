@@ -15,7 +15,6 @@ from typing import Any
 
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.ir.graph import Graph
-from sexpgpu.ir.printer import print_graph
 from sexpgpu.front.values import Closure
 
 

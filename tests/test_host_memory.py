@@ -9,7 +9,7 @@ import pytest
 
 import sexpgpu
 from conftest import ROOT
-from sexpgpu.run.loop import wants_kept_host_memory
+from sexpgpu.run.setup import wants_kept_host_memory
 
 # The gradient of an 8-layer MLP over 16,384 rows: XLA's runtime allocates its 72 MiB
 # temporary buffer on a worker thread at every call. Prints the median minor page faults

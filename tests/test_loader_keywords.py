@@ -18,7 +18,7 @@ PAIRS = [(kind, k) for kind in KINDS for k in EVERY]
 
 
 def _source(kind: str, extra: str) -> str:
-  table = KINDS[kind].arg_table
+  table = KINDS[kind]
   parts = [kind] + (['"missing.bin"'] if takes_file(kind) else [])
   if "components" in table.required:
     parts += ["(0.5 a)", "(0.5 b)"]
@@ -47,12 +47,12 @@ def test_the_front_reads_the_loaders_tables():
 
 @pytest.mark.parametrize("kind,key", PAIRS)
 def test_check_and_run_agree_on_each_keyword(kind, key):
-  required = key in KINDS[kind].arg_table.required
+  required = key in KINDS[kind].required
   extra = "" if required else f" :{key} {SAMPLE[key]}"
   err = _compile_error(_source(kind, extra))
   spec = LoaderSpec("d", kind, {key: SAMPLE[key]} | ({"path": "x"} if takes_file(kind) else {}))
   try:
-    bind_args(spec, KINDS[kind].arg_table)
+    bind_args(spec, KINDS[kind])
     run_refuses = False
   except SxError as e:
     run_refuses = e.code == "E-FORM-002"

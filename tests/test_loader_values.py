@@ -11,8 +11,8 @@ from conftest import ROOT
 from sexpgpu.data import KINDS
 from test_loader_keywords import _compile_error, _source
 
-CHOICES = sorted({(kind, key, name) for kind, cls in KINDS.items()
-                  for key, names in cls.arg_table.choices.items() for name in names})
+CHOICES = sorted({(kind, key, name) for kind, decl in KINDS.items()
+                  for key, names in decl.choices.items() for name in names})
 
 
 def _reference() -> dict[str, list[str]]:
@@ -28,8 +28,8 @@ def _reference() -> dict[str, list[str]]:
 
 def test_the_reference_lists_exactly_the_names_the_loaders_take():
   tables = {}
-  for cls in KINDS.values():
-    for key, names in cls.arg_table.choices.items():
+  for decl in KINDS.values():
+    for key, names in decl.choices.items():
       tables.setdefault(key, [])
       tables[key] += [n for n in names if n not in tables[key]]
   assert {"pack", "offsets", "dtype"} <= set(tables)
@@ -48,5 +48,5 @@ def test_any_other_name_is_refused_at_its_place_with_the_names(kind, key):
   assert err is not None and err.code == "E-FORM-001", err
   text = err.render()
   assert "--> keywords.sx:3:" in text and f"`:{key}` is bogus" in text
-  for name in KINDS[kind].arg_table.choices[key]:
+  for name in KINDS[kind].choices[key]:
     assert f":{key} {name}" in err.fix

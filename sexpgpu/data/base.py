@@ -50,13 +50,11 @@ def type_name(shape: tuple[int, ...], dtype: np.dtype) -> str:
 class Loader(abc.ABC):
   """A source of microbatches: batch(i) is a pure function of (args, seed, i).
 
-  Subclasses take (spec, bound args, Context), declare their keywords in
-  `arg_table`, set `spec`, `kind`, `batch_size` and `fields` and implement
-  `batch`; they may override `records` (the total count, None when endless)
-  and `describe`.
+  Subclasses take (spec, bound args, Context), are declared by a LoaderDef
+  beside them (its keywords, in data.KINDS), set `spec`, `kind`, `batch_size`
+  and `fields` and implement `batch`; they may override `records` (the total
+  count, None when endless) and `describe`.
   """
-
-  arg_table: Any = None
 
   spec: LoaderSpec
   kind: str

@@ -119,11 +119,6 @@ class LoaderDef:
   builder: Any
 
   @property
-  def arg_table(self) -> "LoaderDef":
-    """Itself: what reads a kind's table (its required keywords, defaults, choices)."""
-    return self
-
-  @property
   def required(self) -> tuple[str, ...]:
     """The keywords it needs, in declaration order."""
     return tuple(k for k, d in self.keywords if d.required)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 from sexpgpu import env
-from sexpgpu.ir.printer import print_graph
 from sexpgpu.lang.select import format_value
 from sexpgpu.run.compile import compile_file
 

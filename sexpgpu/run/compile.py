@@ -6,7 +6,6 @@ import dataclasses
 import time
 from typing import Any
 
-import numpy as np
 
 from sexpgpu import env
 from sexpgpu.data import LoaderSpec, make_loader

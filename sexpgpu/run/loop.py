@@ -35,7 +35,6 @@ from sexpgpu.run.generating import Generators
 from sexpgpu.run.sampling import Samplers
 from sexpgpu.run.saving import Saver
 # The name tests and benchmarks import from here: whether a CPU run keeps host memory.
-from sexpgpu.run.setup import wants_kept_host_memory  # noqa: F401
 from sexpgpu.run.stepping import NonFinite, Steps, Stop, node_left
 from sexpgpu.track import StatusFile
 
