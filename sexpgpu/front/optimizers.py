@@ -13,6 +13,16 @@ F32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1
 
 
+def range_text(integer: bool, lo, hi, lo_open: bool, hi_open: bool) -> str:
+  """A range as the errors and the reference say it: "an integer from 1 to 64", ..."""
+  kind = "an integer" if integer else "a number"
+  top = "3.4e38 (float32's largest)" if hi == F32_MAX else str(hi)
+  if lo_open or hi_open:
+    return (f"{kind} {'above' if lo_open else 'at least'} {lo} and "
+            f"{'below' if hi_open else 'at most'} {top}")
+  return f"{kind} from {lo} to {top}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Keyword:
   """What an optimizer or schedule keyword accepts.
@@ -33,6 +43,18 @@ class Keyword:
   lo_open: bool = False
   hi_open: bool = False
   choices: tuple[str, ...] = ()
+
+  def takes(self) -> str:
+    """What the keyword takes, as the reference's table says it."""
+    if self.kind == "rate":
+      return "a number from 0, or a schedule"
+    if self.kind == "bool":
+      return "true or false"
+    if self.kind == "patterns":
+      return "a vector of glob patterns, such as " + self.example
+    if self.kind == "choice":
+      return "one of " + ", ".join(f'"{c}"' for c in self.choices)
+    return range_text(self.kind == "integer", self.lo, self.hi, self.lo_open, self.hi_open)
 
 
 KEYWORDS: dict[str, Keyword] = {

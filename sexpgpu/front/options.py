@@ -10,23 +10,13 @@ from typing import Any
 
 from sexpgpu.errors import SxError, did_you_mean
 from sexpgpu.front.build import Call, describe, is_number
-from sexpgpu.front.optimizers import F32_MAX, KEYWORDS
+from sexpgpu.front.optimizers import KEYWORDS, range_text
 from sexpgpu.front.values import Spec
 from sexpgpu.ir.graph import Init
 
 # What each optimizer or schedule keyword accepts is declared with the optimizers
 # (front/optimizers.py: KEYWORDS), checked where it is read so that no value out of range
 # reaches optax.
-
-
-def range_text(integer: bool, lo, hi, lo_open: bool, hi_open: bool) -> str:
-  """A range as the errors and the reference say it: "an integer from 1 to 64", ..."""
-  kind = "an integer" if integer else "a number"
-  top = "3.4e38 (float32's largest)" if hi == F32_MAX else str(hi)
-  if lo_open or hi_open:
-    return (f"{kind} {'above' if lo_open else 'at least'} {lo} and "
-            f"{'below' if hi_open else 'at most'} {top}")
-  return f"{kind} from {lo} to {top}"
 
 
 def _shown(v: Any) -> str:

@@ -174,7 +174,6 @@ def _choices(keyword: str) -> str:
 def _optimizers(code_optimizers, code_schedules, builtins) -> list[str]:
   """The optimizer section: each optimizer and schedule with its keywords and defaults, and
   what each keyword takes, from front/optimizers.py's tables."""
-  from sexpgpu.front.options import range_text
   out = ["Each is an optax chain, declared once in `sexpgpu/front/optimizers.py`: `:clip` "
          "clips the gradients' global norm first; `:weight-decay` reaches the parameters "
          "whose role decays (matrices; norms, biases and embeddings are spared, "
@@ -194,14 +193,7 @@ def _optimizers(code_optimizers, code_schedules, builtins) -> list[str]:
           for n, ks in code_schedules.items()
           if optimizers.SCHEDULES[n].written and n in builtins]
   out += _table(("schedule (as `:lr`)", "meaning", "keywords (default)"), rows) + [""]
-  rows = []
-  for k, spec in optimizers.KEYWORDS.items():
-    takes = {"rate": "a number from 0, or a schedule", "bool": "true or false",
-             "patterns": "a vector of glob patterns, such as " + spec.example,
-             "choice": "one of " + ", ".join(f'"{c}"' for c in spec.choices)}.get(
-                 spec.kind) or range_text(spec.kind == "integer", spec.lo, spec.hi,
-                                           spec.lo_open, spec.hi_open)
-    rows.append((f"`:{k}`", takes, spec.doc))
+  rows = [(f"`:{k}`", spec.takes(), spec.doc) for k, spec in optimizers.KEYWORDS.items()]
   return out + _table(("keyword", "takes", "meaning"), rows)
 
 
