@@ -10,8 +10,8 @@ rotating order, runs as separate processes:
   default threads) for --iters iterations;
 - `sexpgpu`: `sexpgpu run configs/shakespeare-char.sx --set text=DIR/input.txt --steps N
   --metrics jsonl:F`, as a user would, on a warm XLA cache (JAX_COMPILATION_CACHE_DIR and
-  SEXPGPU_CACHE_DIR filled by a run before the rounds; the steps count does not change what
-  is compiled);
+  SEXPGPU_CACHE_DIR filled by a run of the same N steps before the rounds: N is the cosine
+  schedule's length, a constant of the compiled train step, so another count compiles anew);
 - `cold`: the same command with `--steps 1` and empty cache folders: start-up and peak
   memory with every executable compiled.
 
@@ -138,8 +138,8 @@ def run_rounds(text: str, rounds: int, iters: int, legs: list[str], vocab: int,
   """R rounds of the legs in a rotating order; each round's results by leg."""
   warm = tempfile.mkdtemp(prefix="bench-nanogpt-warm-")
   try:
-    if "sexpgpu" in legs:  # fills the warm caches: what is compiled does not depend on steps
-      leg_sexpgpu(text, 1, warm, config)
+    if "sexpgpu" in legs:  # fills the warm caches; the step count is compiled into the step
+      log(f"filling the warm caches: {leg_sexpgpu(text, iters, warm, config)['kernels']}")
     out = []
     for r in range(rounds):
       order = legs[r % len(legs):] + legs[:r % len(legs)]
@@ -157,7 +157,8 @@ def run_rounds(text: str, rounds: int, iters: int, legs: list[str], vocab: int,
         x = got[leg]
         ms = statistics.median(x["periods"]) * 1e3 if x["periods"] else float("nan")
         log(f"round {r + 1} {leg:8s} {ms:7.2f} ms/it  start-up {x['startup_s']:6.2f}s  "
-            f"peak RSS {x['rss_mib']:6.0f} MiB  val {x['val_loss']:.4f}  load {x['load']}")
+            f"peak RSS {x['rss_mib']:6.0f} MiB  val {x['val_loss']:.4f}  load {x['load']}"
+            + (f"  ({x['kernels']})" if x.get("kernels") else ""))
       out.append(got)
     return out
   finally:

@@ -82,3 +82,22 @@ def test_without_the_sexpgpu_script_the_legs_run_the_module(monkeypatch):
   assert cmd[:1] == [sys.executable]
   r = subprocess.run(cmd + ["--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert r.returncode == 0 and "run" in r.stdout + r.stderr
+
+
+def test_the_warm_caches_are_filled_with_the_legs_own_step_count(monkeypatch):
+  # `--steps N` is the cosine schedule's length, a constant of the compiled train step: a
+  # one-step run filled the caches with another step, and round 1's warm leg compiled it
+  import bench_nanogpt
+  calls = []
+
+  def leg(text, iters, caches, config=bench_nanogpt.CONFIG):
+    calls.append((iters, caches))
+    return {"periods": [0.04], "startup_s": 1.0, "rss_mib": 1.0, "val_loss": 2.0,
+            "wall_s": 1.0, "kernels": "timing kernels 0 compiled", "steps": iters}
+
+  monkeypatch.setattr(bench_nanogpt, "leg_sexpgpu", leg)
+  bench_nanogpt.run_rounds("input.txt", 2, 300, ["sexpgpu", "cold"], 78, log=lambda *a: None)
+  warm = [c for c in calls if "warm" in os.path.basename(c[1])]
+  assert [n for n, _ in warm] == [300, 300, 300]  # the filling run, then each round's leg
+  assert len({d for _, d in warm}) == 1
+  assert sorted(n for n, d in calls if "cold" in os.path.basename(d)) == [1, 1]
