@@ -51,12 +51,23 @@ def test_manifest(char_bundle):
   assert names == {"manifest.json", "char-lm.sx", "data/corpus.txt"}
 
 
-@pytest.mark.slow  # a bundle's run and its checkpoint commands in subprocesses
-def test_bundle_runs_elsewhere_with_the_same_summary(char_bundle, tmp_path):
-  path, original = char_bundle
-  elsewhere = tmp_path / "elsewhere"
-  elsewhere.mkdir()
+@pytest.fixture(scope="module")
+def user_run(char_bundle, tmp_path_factory):
+  """`sexpgpu run copy.sxb` as a user runs it, from a folder without the original files,
+  with checkpoints: (that folder, the finished process, its checkpoint folder)."""
+  path, _ = char_bundle
+  elsewhere = tmp_path_factory.mktemp("elsewhere")
   shutil.copy(path, elsewhere / "copy.sxb")
+  ck = elsewhere / "ck"
+  r = subprocess.run(sexpgpu_cmd("run", "copy.sxb", "--checkpoint-dir", str(ck), "--json"),
+                     cwd=elsewhere, capture_output=True, text=True, timeout=120)
+  return elsewhere, r, ck
+
+
+@pytest.mark.slow  # a bundle's run and its checkpoint commands in subprocesses
+def test_bundle_runs_elsewhere_with_the_same_summary(char_bundle, user_run):
+  path, original = char_bundle
+  elsewhere, user, _ = user_run
   cwd = os.getcwd()
   os.chdir(elsewhere)
   try:
@@ -73,11 +84,9 @@ def test_bundle_runs_elsewhere_with_the_same_summary(char_bundle, tmp_path):
   assert _summary(r.stdout) == original
   assert open_bundle(str(elsewhere / "copy.sxb"))[0] == sx  # extracted once, reused
   # as a user runs it: `sexpgpu run copy.sxb` from a folder without the original files
-  r = subprocess.run(sexpgpu_cmd("run", "copy.sxb", "--json"), cwd=elsewhere, capture_output=True,
-                     text=True, timeout=120)
-  assert r.returncode == 0, r.stderr
-  assert r.stderr.startswith("run: copy.sxb slug ")
-  assert _summary(r.stdout) == original
+  assert user.returncode == 0, user.stderr
+  assert user.stderr.startswith("run: copy.sxb slug ")
+  assert _summary(user.stdout) == original
 
 
 def _rewrite(src, dst, change):
@@ -163,14 +172,12 @@ def test_check_of_a_bundle_without_its_data_says_where_to_put_it(tmp_path, monke
 
 
 @pytest.mark.slow  # a bundle's run and its checkpoint commands in subprocesses
-def test_the_checkpoint_commands_take_a_bundle_as_run_does(char_bundle, tmp_path):
+def test_the_checkpoint_commands_take_a_bundle_as_run_does(char_bundle, user_run, tmp_path):
   """`export` (as sample, eval and import, through one compile) opens a bundle and compiles
-  its own selection: the slug run wrote under is the one it finds."""
+  its own selection: the slug the run of a copy of it wrote under is the one it finds."""
   path, original = char_bundle
-  ckpt = tmp_path / "ckpt"
-  r = subprocess.run(sexpgpu_cmd("run", str(path), "--checkpoint-dir", str(ckpt), "--json"),
-                     cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert r.returncode == 0, r.stderr
+  _, user, ckpt = user_run
+  assert user.returncode == 0, user.stderr
   out = tmp_path / "w.safetensors"
   r = subprocess.run(sexpgpu_cmd("export", str(path), "--resume", "latest", "--checkpoint-dir",
                                  str(ckpt), "-o", str(out)),

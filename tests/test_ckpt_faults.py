@@ -127,10 +127,21 @@ def _losses(path):
   return {e["step"]: e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"}
 
 
-@pytest.mark.slow  # runs, damages and resumes
-def test_resume_latest_skips_a_damaged_newest_step_and_resumes_exactly(tmp_path):
-  full = _run("--checkpoint-dir", str(tmp_path / "ck"), "--metrics", f"jsonl:{tmp_path / 'a'}")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """faults.sx run to its end once, with its checkpoints: (their folder, its metrics), the
+  reference the resumes below continue bitwise (a test that damages or resumes into the
+  checkpoints works on its own copy)."""
+  tmp = tmp_path_factory.mktemp("uninterrupted")
+  full = _run("--checkpoint-dir", str(tmp / "ck"), "--metrics", f"jsonl:{tmp / 'a'}")
   assert full.returncode == 0, full.stderr
+  return tmp / "ck", tmp / "a"
+
+
+@pytest.mark.slow  # runs, damages and resumes
+def test_resume_latest_skips_a_damaged_newest_step_and_resumes_exactly(tmp_path, uninterrupted):
+  shutil.copytree(uninterrupted[0], tmp_path / "ck")
+  shutil.copy(uninterrupted[1], tmp_path / "a")
   run = tmp_path / "ck" / "faults"
   _flip(_largest(run / "20", "state"))
   again = tmp_path / "ck2"
@@ -182,10 +193,11 @@ def _can_mount_tmpfs(folder) -> bool:
 
 
 @pytest.mark.slow  # runs, damages and resumes
-def test_a_full_disk_names_the_intact_step_and_what_to_free(tmp_path):
+def test_a_full_disk_names_the_intact_step_and_what_to_free(tmp_path, uninterrupted):
   """The checkpoint folder is a 300 KiB tmpfs: step 4 fits (188 KiB), step 8 does not.
   E-CKPT-004 says the device is full, names step 4 as checked against its manifest and what
-  to free, without a library's wording; step 4 then resumes exactly."""
+  to free, without a library's wording; the failed save's folder is gone when the run exits,
+  step 4 is as it was written, and it then resumes exactly."""
   disk, kept = tmp_path / "disk", tmp_path / "kept"
   disk.mkdir()
   if not _can_mount_tmpfs(disk):
@@ -204,13 +216,15 @@ def test_a_full_disk_names_the_intact_step_and_what_to_free(tmp_path):
   assert f"free space where {disk}/faults lies" in err and "--resume latest" in err
   assert not any(w in err for w in INTERNALS + ("OCDBT", "ocdbt", "RESOURCE_EXHAUSTED")), err
   assert time.monotonic() - t < 120
+  # the failed save's folder went with the run that hit it: step 4 alone, as it was written
+  from sexpgpu.ckpt import manifest
+  assert sorted(os.listdir(kept / "faults")) == ["4"]
+  assert manifest.problem(str(kept / "faults" / "4")) is None
   # what the message called intact is: a resume from the copy continues as a full run does
-  full = _run("--checkpoint-dir", str(tmp_path / "ck"), "--metrics", f"jsonl:{tmp_path / 'a'}")
-  assert full.returncode == 0, full.stderr
   again = _run("--checkpoint-dir", str(kept), "--resume", "latest", "--metrics",
                f"jsonl:{tmp_path / 'b'}")
   assert again.returncode == 0, again.stderr
-  a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+  a, b = _losses(uninterrupted[1]), _losses(tmp_path / "b")
   assert min(b) == 5 and all(a[s] == b[s] for s in b)
 
 
@@ -279,32 +293,6 @@ def test_a_run_without_resume_into_its_own_checkpoints_is_refused_touching_nothi
 
 
 # --- a full disk's partial step folder goes with the run that hit it -------------------------
-
-@pytest.mark.slow  # runs and checkpoints in subprocesses
-def test_a_full_disk_leaves_no_partial_step_and_keeps_the_good_one(tmp_path):
-  """The checkpoint folder is a 300 KiB tmpfs: step 4 fits, step 8 does not (as
-  tests/test_ckpt_faults.py's full disk). The failed save's folder is gone when the run
-  exits; step 4 is as it was written."""
-  import subprocess
-
-  from conftest import sexpgpu_cmd
-  from sexpgpu.ckpt import manifest
-  disk, kept = tmp_path / "disk", tmp_path / "kept"
-  disk.mkdir()
-  probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs "
-                          f"{disk}"], capture_output=True, timeout=30)
-  if probe.returncode != 0:
-    pytest.skip("no mount namespace for a small tmpfs (needs root and unshare)")
-  cmd = " ".join(f"'{a}'" for a in sexpgpu_cmd("run", FAULTS, "--checkpoint-dir", str(disk)))
-  script = (f"mount -t tmpfs -o size=300k tmpfs {disk} && {{ {cmd}; echo $? > {tmp_path / 'rc'}; "
-            f"cp -a {disk} {kept}; }}")
-  r = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True,
-                     text=True, timeout=300)
-  assert (tmp_path / "rc").read_text().strip() == "1", r.stderr
-  assert "error[E-CKPT-004]" in r.stderr and "the device is full" in r.stderr
-  assert sorted(os.listdir(kept / "faults")) == ["4"]
-  assert manifest.problem(str(kept / "faults" / "4")) is None
-
 
 def test_a_failed_saves_leftovers_go_and_nothing_else(tmp_path):
   """What manifest.drop_partial removes: the failed step's tmp, partial and uncounted

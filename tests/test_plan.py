@@ -56,33 +56,35 @@ def test_64mib_refusal_from_the_command_line(tmp_path):
   assert "step 0/" not in p.stderr and "Traceback" not in p.stderr
 
 
-def _run(tmp_path, name, env=None, extra=()):
+def _run(tmp_path, capsys, monkeypatch, name, env=None):
+  """`sexpgpu run` of tiny-lm's smoke variant in this process (the stacking is chosen at the
+  run, from its environment, as in a process of its own): its stacking annotation and its
+  metrics file."""
   m = tmp_path / f"{name}.jsonl"
-  e = dict(os.environ)
-  e.update(env or {})
-  p = subprocess.run(sexpgpu_cmd("run", TINY, "--variant", "smoke", "--set", "microbatches=4",
-                                 "--steps", "2", "--eval-every", "0", "--metrics", f"jsonl:{m}",
-                                 *extra), cwd=ROOT, env=e, capture_output=True, text=True,
-                     timeout=600)
-  assert p.returncode == 0, p.stderr
+  with monkeypatch.context() as mp:
+    for k, v in (env or {}).items():
+      mp.setenv(k, v)
+    code, _, err = _cli(capsys, "run", TINY, "--variant", "smoke", "--set", "microbatches=4",
+                        "--steps", "2", "--eval-every", "0", "--metrics", f"jsonl:{m}")
+  assert code == 0, err
   return _annotations(m, "stacking")[-1], m
 
 
-def test_fixed_stacking(tmp_path):
-  st, _ = _run(tmp_path, "fixed", {"SEXPGPU_STACKING": "2"})
+def test_fixed_stacking(tmp_path, capsys, monkeypatch):
+  st, _ = _run(tmp_path, capsys, monkeypatch, "fixed", {"SEXPGPU_STACKING": "2"})
   assert st["how"] == "fixed" and st["degree"] == 2 and st["text"] == "2: SEXPGPU_STACKING"
 
 
-@pytest.mark.slow  # three runs as subprocesses
-def test_only_one_fits(tmp_path):
-  st, _ = _run(tmp_path, "all")
+@pytest.mark.slow  # two runs
+def test_only_one_fits(tmp_path, capsys, monkeypatch):
+  st, _ = _run(tmp_path, capsys, monkeypatch, "all")
   plans = {int(d): t for d, t in st["plans"].items()}
   assert set(plans) == {1, 2, 4}
   small = min(plans, key=plans.get)
   others = sorted(t for d, t in plans.items() if d != small)
   assert plans[small] < others[0]
   memory = (plans[small] + others[0]) // 2
-  st2, m = _run(tmp_path, "only", {"SEXPGPU_MEMORY": str(memory)})
+  st2, m = _run(tmp_path, capsys, monkeypatch, "only", {"SEXPGPU_MEMORY": str(memory)})
   assert st2["how"] == "only" and st2["degree"] == small
   assert st2["text"] == f"{small}: the only one that fits"
   mem = _annotations(m, "memory")[-1]
@@ -90,8 +92,9 @@ def test_only_one_fits(tmp_path):
                                                           "gradients and accumulators"}
 
 
-def test_cost_model_chooses_when_predictions_differ(tmp_path):
-  st, _ = _run(tmp_path, "model", {"SEXPGPU_CACHE_DIR": str(tmp_path / "cache")})
+def test_cost_model_chooses_when_predictions_differ(tmp_path, capsys, monkeypatch):
+  st, _ = _run(tmp_path, capsys, monkeypatch, "model",
+               {"SEXPGPU_CACHE_DIR": str(tmp_path / "cache")})
   assert st["how"] in ("model", "measured")
   preds = {int(d): t for d, t in st["predicted"].items()}
   if st["how"] == "model":
@@ -99,7 +102,7 @@ def test_cost_model_chooses_when_predictions_differ(tmp_path):
     assert st["text"].startswith(f"{st['degree']}: the cost model (")
 
 
-@pytest.mark.slow  # three runs as subprocesses
+@pytest.mark.slow  # two runs, one measuring three degrees
 def test_measured_when_close_then_remembered(monkeypatch, tmp_path):
   import sexpgpu.run.planning.plan as plan
   monkeypatch.setattr(plan, "predict", lambda *a, **k: 0.001)  # a tie: measure
@@ -121,7 +124,7 @@ def test_measured_when_close_then_remembered(monkeypatch, tmp_path):
   assert second.train_loss == first.train_loss  # the same degree, the same sums
 
 
-@pytest.mark.slow  # three runs as subprocesses
+@pytest.mark.slow  # two runs as subprocesses (one over two host devices)
 def test_remembered_choices_are_kept_apart_by_rank_count(tmp_path):
   """A degree chosen for one device's share of the microbatches is not another count's."""
   env = dict(os.environ, SEXPGPU_CACHE_DIR=str(tmp_path / "cache"))

@@ -48,11 +48,22 @@ def _steps(path):
   return {e["step"]: e["train/loss"] for e in map(json.loads, open(path)) if e["kind"] == "step"}
 
 
-def test_sigterm_then_resume_latest_on_s3_is_exact(moto, tmp_path):
-  full_m = tmp_path / "full.jsonl"
+@pytest.fixture(scope="module")
+def uninterrupted(moto, tmp_path_factory):
+  """The experiment run to its end with checkpoints on s3://runs/full, staging its saves in
+  a folder of its own: (the process, its metrics file, that folder)."""
+  tmp = tmp_path_factory.mktemp("full")
+  staging = tmp / "staging"
+  staging.mkdir()
+  full_m = tmp / "full.jsonl"
   full = _run(["--checkpoint-dir", "s3://runs/full", "--metrics", f"jsonl:{full_m}", "--json"],
-              moto)
+              moto, staging)
   assert full.returncode == 0, full.stderr
+  return full, full_m, staging
+
+
+def test_sigterm_then_resume_latest_on_s3_is_exact(moto, tmp_path, uninterrupted):
+  full, full_m, _ = uninterrupted
 
   def start(attempt):
     m = tmp_path / f"m{attempt}.jsonl"
@@ -80,14 +91,22 @@ def test_sigterm_then_resume_latest_on_s3_is_exact(moto, tmp_path):
     assert SECRET not in text
 
 
-def test_resume_from_an_s3_step_dir(moto, tmp_path):
-  r = _run(["--checkpoint-dir", "s3://runs/dir", "--steps", "10", "--json"], moto, tmp_path)
+def test_resume_from_an_s3_step_dir(moto, tmp_path, uninterrupted):
+  """The uninterrupted run's older kept checkpoint (step 56 of 60, :keep 2), resumed by its
+  s3:// step folder: the run's last four steps and its end, exactly."""
+  full, full_m, staging = uninterrupted
+  assert _staging(staging) == []  # the run removed its staging folder when it ended
+  step_dir = json.loads(full.stdout)["checkpoint"]
+  assert step_dir.startswith("s3://runs/full/curriculum/") and step_dir.endswith("/60")
+  m = tmp_path / "m.jsonl"
+  r = _run(["--resume", step_dir[:-len("60")] + "56", "--metrics", f"jsonl:{m}", "--json"],
+           moto)
   assert r.returncode == 0, r.stderr
-  assert _staging(tmp_path) == []  # the run removed its staging folder when it ended
-  step_dir = json.loads(r.stdout)["checkpoint"]
-  r2 = _run(["--resume", step_dir, "--json"], moto)
-  assert r2.returncode == 0, r2.stderr
-  assert json.loads(r2.stdout)["steps"] == 60
+  a, b = json.loads(full.stdout), json.loads(r.stdout)
+  assert b["steps"] == 60
+  for key in ("train_loss", "eval", "counters", "stage"):
+    assert a[key] == b[key], key
+  assert _steps(m) == {s: v for s, v in _steps(full_m).items() if s > 56}
 
 
 def test_missing_bucket_is_found_before_the_first_step(moto):
