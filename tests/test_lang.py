@@ -243,12 +243,13 @@ def test_depth_does_not_grow_build_and_lowering_work():
 # ---- CLI and backends ----------------------------------------------------------
 
 @pytest.mark.slow  # compiles or trains for seconds: the full suite runs it, the quick tier does not
-def test_cli_check_prints_params_total():
-  r = subprocess.run(sexpgpu_cmd("check", TINY, "--print", "params"), capture_output=True,
-                     text=True, cwd=ROOT, timeout=300)
-  assert r.returncode == 0, r.stderr
-  rows = [l for l in r.stdout.splitlines() if l.startswith("total")]
-  assert len(rows) == 1 and rows[0].split()[-1] == "103,744", r.stdout
+def test_cli_check_prints_params_total(capsys):
+  from sexpgpu.cli.main import main
+  code = main(["check", TINY, "--print", "params"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  rows = [l for l in out.splitlines() if l.startswith("total")]
+  assert len(rows) == 1 and rows[0].split()[-1] == "103,744", out
 
 
 def test_building_starts_no_jax_backend():
@@ -308,11 +309,12 @@ def test_check_plans_for_the_devices_of_sexpgpu_devices():
 
 @pytest.mark.parametrize("what,needle", [("jaxpr", "lambda"), ("hlo", "func.func public @main"),
                                          ("plan", "stacking")])
-def test_check_prints_lowered_forms_without_training(what, needle):
-  r = subprocess.run(sexpgpu_cmd("check", TINY, "--variant", "smoke", "--print", what),
-                     capture_output=True, text=True, cwd=ROOT, timeout=300)
-  assert r.returncode == 0, r.stderr
-  assert needle in r.stdout
+def test_check_prints_lowered_forms_without_training(what, needle, capsys):
+  from sexpgpu.cli.main import main
+  code = main(["check", TINY, "--variant", "smoke", "--print", what])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  assert needle in out and "step 0/" not in err  # no run started
   if what == "plan":
-    assert re.search(r"memory\s+\S+ \S+B of \S+ \S+B free", r.stdout)
-    assert "degree 2" in r.stdout and "degree 1" in r.stdout and "flops" in r.stdout
+    assert re.search(r"memory\s+\S+ \S+B of \S+ \S+B free", out)
+    assert "degree 2" in out and "degree 1" in out and "flops" in out

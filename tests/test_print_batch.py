@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, sexpgpu_cmd
+from conftest import ROOT
 from sexpgpu.data import KINDS
 from sexpgpu.errors import SxError
 from sexpgpu.run.batchtext import batch_text
@@ -138,13 +137,16 @@ def test_the_default_loader_is_the_runs_and_an_unknown_one_is_e_name_001(exp):
   assert e.value.fix.startswith("did you mean `rev`?")
 
 
-def test_the_cli_prints_a_batch_and_refuses_loader_without_it(exp):
+def test_the_cli_prints_a_batch_and_refuses_loader_without_it(exp, capsys):
+  from sexpgpu.cli.main import main
   path, c = exp
-  out = subprocess.run(sexpgpu_cmd("check", path, "--print", "batch", "--loader", "rev"),
-                       capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr
-  assert out.stdout == batch_text(c, "rev")
-  out = subprocess.run(sexpgpu_cmd("check", path, "--loader", "rev"), capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 1 and "error[E-FORM-001]: --loader rev names the loader of " \
-      "--print batch" in out.stderr
+  capsys.readouterr()
+  code = main(["check", path, "--print", "batch", "--loader", "rev"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  assert out == batch_text(c, "rev")
+  code = main(["check", path, "--loader", "rev"])
+  out, err = capsys.readouterr()
+  assert code == 1 and "error[E-FORM-001]: --loader rev names the loader of " \
+      "--print batch" in err
+  assert "Traceback" not in err

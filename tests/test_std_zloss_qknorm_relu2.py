@@ -3,14 +3,11 @@ tapped as a metric), :qk-norm in std's gpt2, llama and transformer-lm (a learned
 each head's queries and keys, role norm, off by default), and relu2 as an activation."""
 
 import json
-import os
-import subprocess
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, sexpgpu_cmd
 from sexpgpu.errors import SxError
 from sexpgpu.ir.opdef import LowerCtx
 from sexpgpu.ir.printer import print_graph
@@ -164,13 +161,13 @@ RECIPE = """
 
 
 @pytest.mark.slow  # a run with every recipe keyword
-def test_qk_norm_relu2_and_z_loss_train_and_the_z_loss_is_a_metric(tmp_path):
+def test_qk_norm_relu2_and_z_loss_train_and_the_z_loss_is_a_metric(tmp_path, capsys):
+  from sexpgpu.cli.main import main
   sx, m = tmp_path / "recipe.sx", tmp_path / "m.jsonl"
   sx.write_text(RECIPE)
-  p = subprocess.run(sexpgpu_cmd("run", str(sx), "--diagnostics", "z-loss", "--metrics",
-                                 f"jsonl:{m}"), cwd=ROOT, capture_output=True, text=True,
-                     timeout=600)
-  assert p.returncode == 0, p.stderr
+  code = main(["run", str(sx), "--diagnostics", "z-loss", "--metrics", f"jsonl:{m}"])
+  err = capsys.readouterr().err
+  assert code == 0, err
   events = [json.loads(line) for line in open(m)]
   losses = [e["train/loss"] for e in events if e["kind"] == "step"]
   z = [e["value"] for e in events if e["kind"] == "diagnostic" and e["name"] == "z-loss"]

@@ -282,11 +282,13 @@ def test_sigterm_then_resume_over_text_is_bitwise(text_exp):
   shutil.rmtree(text_exp / "ck-cut")
 
 
-def test_check_prints_the_cache(text_exp):
-  r = subprocess.run(sexpgpu_cmd("check", str(text_exp / "text.sx")), cwd=ROOT,
-                     capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0, r.stderr
-  line = next(x for x in r.stdout.splitlines() if x.strip().startswith("train: text"))
+def test_check_prints_the_cache(text_exp, capsys, monkeypatch):
+  from sexpgpu.cli.main import main
+  monkeypatch.chdir(ROOT)
+  code = main(["check", str(text_exp / "text.sx")])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  line = next(x for x in out.splitlines() if x.strip().startswith("train: text"))
   assert ":segments int32[4,17]" in line and "documents" in line and "vocabulary" in line
   assert "padding" in line
 
