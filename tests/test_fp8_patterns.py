@@ -186,18 +186,19 @@ def test_an_moe_trains_its_expert_einsums_in_fp8(tmp_path):
     assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.9, k
 
 
-# One process, 2 host devices: 3 steps of the GPT-2-shaped model in fp8 replicated, under
-# fsdp and under tensor:2 (Megatron's pairs, sequence parallel between them), each run's
-# losses and the float8 products in its step's lowering.
+# One process, 2 host devices: each layout's run (3 steps) and the float8 converts in its
+# step's lowering; `layouts` is run as given, each with `sets` and `variant`.
 _LAYOUTS = """
 import json, re, sys
 import sexpgpu
 from sexpgpu.run.check import CheckOptions, check
 out = {{}}
-for layout in ("replicate", "fsdp", "tensor:2"):
-  sets = {{"sharding": layout, "microbatches": 2}}
-  hlo = check({path!r}, None, [(k, str(v)) for k, v in sets.items()], "hlo", CheckOptions())
-  s = sexpgpu.compile({path!r}, set=sets).run(metrics="jsonl:{tmp}/" + layout + ".jsonl")
+for layout in {layouts!r}:
+  sets = dict({sets!r}, sharding=layout)
+  hlo = check({path!r}, {variant!r}, [(k, str(v)) for k, v in sets.items()], "hlo",
+              CheckOptions())
+  sexpgpu.compile({path!r}, variant={variant!r}, set=sets).run(
+      metrics="jsonl:{tmp}/" + layout + ".jsonl")
   losses = [e["train/loss"] for e in map(json.loads, open("{tmp}/" + layout + ".jsonl"))
             if e["kind"] == "step"]
   out[layout] = {{"losses": losses, "e5m2": len(re.findall(r"convert[^\\n]*xf8E5M2>", hlo)),
@@ -206,16 +207,23 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # a process of its own on 2 host devices, three layouts' steps compiled
-def test_fp8_runs_under_fsdp_and_tensor_layouts(tmp_path):
-  path = _file(tmp_path, ':precision fp8 :fp8 ["*/mlp/*" "*/attn/*"]')
+def run_layouts(path: str, tmp_path, layouts: tuple, sets: dict, variant=None) -> dict:
+  """{layout: {"losses": [...], "e5m2": n, "e4m3": n}} from a process of 2 host devices."""
   env = dict(os.environ, SEXPGPU_DEVICES="0,1", XLA_FLAGS="--xla_force_host_platform_device_"
              "count=2 " + os.environ.get("XLA_FLAGS", ""))
   env.pop("SEXPGPU_STACKING", None)
-  p = subprocess.run([sys.executable, "-c", _LAYOUTS.format(path=path, tmp=tmp_path)],
-                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+  script = _LAYOUTS.format(path=path, tmp=tmp_path, layouts=layouts, sets=sets,
+                           variant=variant)
+  p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                     cwd=ROOT, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
-  out = json.loads(p.stdout.strip().splitlines()[-1])
+  return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a process of its own on 2 host devices, three layouts' steps compiled
+def test_fp8_runs_under_fsdp_and_tensor_layouts(tmp_path):
+  path = _file(tmp_path, ':precision fp8 :fp8 ["*/mlp/*" "*/attn/*"]')
+  out = run_layouts(path, tmp_path, ("replicate", "fsdp", "tensor:2"), {"microbatches": 2})
   base = out["replicate"]
   assert len(base["losses"]) == 3 and base["e5m2"] > 0 and base["e4m3"] > 0
   for layout in ("fsdp", "tensor:2"):
