@@ -386,12 +386,14 @@ def _argv(i: int, count: int, runs: int, path: str, flags: list[str]) -> tuple[l
 
 
 def fuzz(count: int, runs: int, seed: int, folder: str, start: int = 0,
-         report=None) -> tuple[int, list[str]]:
+         report=None, stall: frozenset = frozenset()) -> tuple[int, list[str]]:
   """Feeds inputs start..count-1 through check, about `runs` of all `count` through run.
 
   Args:
     report: a text stream told `start I` before input I and `done I SECONDS` after it,
       for the supervisor that restarts this process past a hang.
+    stall: inputs at which to stop for ever after `start I`: a hang for the supervisor's
+      restart to be rehearsed on, whatever the machine's speed.
 
   Returns:
     (inputs fed, findings as "input N (args): what").
@@ -402,6 +404,8 @@ def fuzz(count: int, runs: int, seed: int, folder: str, start: int = 0,
     if report is not None:
       report.write(f"start {i}\n")
       report.flush()
+    while i in stall:
+      time.sleep(3600)
     t0 = time.perf_counter()
     rng = case_rng(seed, i)
     _, light = _argv(i, count, runs, "", [])
@@ -448,9 +452,11 @@ def _rss_bytes(pid: int) -> int:
 
 
 def supervise(count: int, runs: int, seed: int, folder: str, hang_s: float = 60.0,
-              memory_bytes: int = 6 << 30, log=None) -> dict:
+              memory_bytes: int = 6 << 30, log=None, stall: tuple[int, ...] = ()) -> dict:
   """Runs fuzz() in a worker process, restarted past any input that hangs, aborts or grows
   past `memory_bytes`.
+
+  `stall` makes the worker hang at those inputs (fuzz()'s `stall`), to rehearse the restart.
 
   Returns:
     {"fed", "findings", "outcomes", "restarts", "slowest": (seconds, input), "peak_rss"}.
@@ -464,7 +470,7 @@ def supervise(count: int, runs: int, seed: int, folder: str, hang_s: float = 60.
     r, w = os.pipe()
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(seed), "--start",
            str(i), "--count", str(count), "--runs", str(runs), "--keep", folder,
-           "--report-fd", str(w)]
+           "--report-fd", str(w)] + (["--stall", ",".join(map(str, stall))] if stall else [])
     proc = subprocess.Popen(cmd, pass_fds=(w,), stdout=worker_log, stderr=worker_log,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     os.close(w)
@@ -678,6 +684,7 @@ def main() -> int:
                   help="feed the inputs in this process (no restart past a hang)")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--report-fd", type=int, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--stall", default="", help=argparse.SUPPRESS)
   ap.add_argument("--checkpoints", action="store_true",
                   help="also damage each file of a real checkpoint, one at a time")
   args = ap.parse_args()
@@ -687,7 +694,8 @@ def main() -> int:
   os.chdir(folder)  # what a run writes by default (metrics, status) lands here
   if args.worker:
     with os.fdopen(args.report_fd, "w", encoding="utf-8") as report:
-      fuzz(args.count, args.runs, args.seed, folder, args.start, report)
+      fuzz(args.count, args.runs, args.seed, folder, args.start, report,
+           frozenset(int(x) for x in args.stall.split(",") if x))
     return 0
   t0 = time.perf_counter()
   if args.in_process:

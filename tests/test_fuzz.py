@@ -123,9 +123,9 @@ def test_an_input_replays_from_its_seed_and_index_alone():
 
 
 def test_the_supervisor_restarts_its_worker_past_an_input_that_hangs(tmp_path):
-  """Every input a one-step run (importing JAX alone takes longer than the 1 s allowed):
-  each is reported as a hang, and a fresh worker takes the next input."""
-  res = fuzz.supervise(count=2, runs=2, seed=3, folder=str(tmp_path), hang_s=1.0)
+  """The worker stalls at both inputs (its `--stall`, a hang whatever the machine's speed):
+  each is reported as a hang past the 1 s allowed, and a fresh worker takes the next input."""
+  res = fuzz.supervise(count=2, runs=2, seed=3, folder=str(tmp_path), hang_s=1.0, stall=(0, 1))
   assert res["restarts"] == 2 and res["fed"] == 2
   assert [f.split(" (")[0] for f in res["findings"]] == ["input 0", "input 1"]
   assert all(f.endswith("hang past 1 s") for f in res["findings"])
