@@ -81,7 +81,7 @@ def keep_host_memory() -> bool:
   threads' small allocations: 0.55 -> 0.86 ms a step at the tiny shape, whose buffers
   glibc reuses anyway. Above TRIM_CEILING a freed buffer goes back to the OS all the
   same, and the heap only fragments. So a run asks for this only when its steps'
-  values lie between the two ceilings (`run.loop.wants_kept_host_memory`). It must
+  values lie between the two ceilings (`run.setup.wants_kept_host_memory`). It must
   run before the backend's threads first allocate (their arena is chosen then);
   elsewhere than glibc it does nothing.
   """
