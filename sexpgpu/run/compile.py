@@ -6,7 +6,6 @@ import dataclasses
 import time
 from typing import Any
 
-
 from sexpgpu import env
 from sexpgpu.data import LoaderSpec, make_loader
 from sexpgpu.errors import SxError, did_you_mean
