@@ -297,7 +297,7 @@ def credential_param(name: str) -> bool:
   return bool(_CREDENTIAL_NAME.search(name))
 
 
-def scrub(text) -> str:
+def scrub(text, known: list[str] | None = None) -> str:
   """`text` without credentials: the one place secrets are masked in what a user sees.
 
   A URI's userinfo (`user:secret@`, however many `/`, `@`, `+` or `:` the secret holds)
@@ -308,11 +308,32 @@ def scrub(text) -> str:
 
   Args:
     text: anything; it is shown as str(text).
+    known: `known_secrets()` read once by a caller scrubbing many texts (a metrics event's);
+      None reads it here.
 
   Returns:
     The text with every credential masked.
   """
   text = str(text)
+  if "://" in text or "=" in text:  # a URI or a query parameter: what masks, and teaches
+    text = _mask_uris(text)
+    known = None
+  for secret in known_secrets() if known is None else known:
+    if secret in text:
+      text = text.replace(secret, MASK)
+  return text
+
+
+def known_secrets() -> list[str]:
+  """What `scrub` masks wherever it appears: the credentials met in this process (longest
+  first) and the credential variables' values."""
+  with _SEEN_LOCK:
+    seen = list(_SEEN_ORDER)
+  return seen + [v for v in map(os.environ.get, _SECRET_VARS) if v and len(v) >= 4]
+
+
+def _mask_uris(text: str) -> str:
+  """`text` with each URI's userinfo and each credential query value masked, remembered."""
   infos, pieces, pos = [], [], 0
   for start, end in _userinfos(text):
     infos.append(text[start:end])
@@ -330,11 +351,6 @@ def scrub(text) -> str:
 
   text = _SIGNED.sub(lambda m: m.group(1) + MASK, _PARAM.sub(mask, text))
   _remember(infos, values)
-  with _SEEN_LOCK:
-    seen = list(_SEEN_ORDER)
-  for secret in seen + [os.environ.get(v, "") for v in _SECRET_VARS]:
-    if len(secret) >= 4 and secret in text:
-      text = text.replace(secret, MASK)
   return text
 
 

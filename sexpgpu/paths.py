@@ -13,7 +13,7 @@ from fsspec.core import split_protocol
 from sexpgpu.errors import SxError
 # The one credential scrubber lives in sexpgpu/errors.py (below every layer: SxError and the
 # language's slug use it); this module is where the rest of the package takes it from.
-from sexpgpu.errors import credentials_in, scrub, without_credentials  # noqa: F401
+from sexpgpu.errors import credentials_in, known_secrets, scrub, without_credentials  # noqa: F401
 
 # The object stores we read and write, each with the fsspec package that serves it.
 REMOTE_PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
@@ -127,17 +127,34 @@ def usable_cache_dir(folder: str, name: str = "SEXPGPU_CACHE_DIR") -> str:
   return folder
 
 
+_PLAIN = frozenset((int, float, bool, type(None)))  # nothing to scrub in these
+
+
 def scrubbed(value):
   """`value` (strings, dicts, lists, tuples, sets) with every string in it scrubbed (`scrub`):
   what the status file, every metrics event, a checkpoint's meta and the --json summary
-  hold. Sequences and sets come back as lists, as JSON writes them."""
-  if isinstance(value, str):
-    return scrub(value)
-  if isinstance(value, dict):
-    return {k: scrubbed(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple, set, frozenset)):
-    return [scrubbed(v) for v in value]
-  return value
+  hold. Sequences and sets come back as lists, as JSON writes them. The credential lists are
+  read once for the whole value, again after a string that may teach scrub a new one (a
+  step's event, scrubbed every step, reads them once)."""
+  known = []
+
+  def walk(v):
+    if type(v) in _PLAIN:
+      return v
+    if isinstance(v, str):
+      if "://" in v or "=" in v:
+        known.clear()
+        return scrub(v)
+      if not known:
+        known.append(known_secrets())
+      return scrub(v, known[0])
+    if isinstance(v, dict):
+      return {k: walk(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set, frozenset)):
+      return [walk(x) for x in v]
+    return v
+
+  return walk(value)
 
 
 def redact(uri: str) -> str:

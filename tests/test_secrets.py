@@ -84,6 +84,20 @@ def test_a_key_holding_at_is_masked_up_to_it_rather_than_a_secret_shown():
   assert paths.scrub("mail me at a@b.com, eval@10") == "mail me at a@b.com, eval@10"
 
 
+def test_an_event_is_scrubbed_in_one_walk_that_still_learns_from_each_field(monkeypatch):
+  """A metrics event is scrubbed every step with the credential lists read once; a field that
+  teaches scrub a credential still masks it in the fields after it, an env credential is
+  masked in a string field, and the numbers come back as they were."""
+  monkeypatch.setenv("HF_TOKEN", "hfTOKENevent11")
+  event = {"uri": "s3://AKIAEVENT11:SECEVENT11@bucket/p", "said": "bucket AKIAEVENT11 denied",
+           "note": ["token hfTOKENevent11 seen"], "loss": 3.25, "step": 7, "ok": True,
+           "counters": {"records": 12}}
+  out = paths.scrubbed(event)
+  assert out == {"uri": "s3://***@bucket/p", "said": "bucket *** denied",
+                 "note": ["token *** seen"], "loss": 3.25, "step": 7, "ok": True,
+                 "counters": {"records": 12}}
+
+
 # -- (b) a credential in a query string is masked, and a location that carries one refused -------
 
 @pytest.mark.parametrize("param", ["X-Amz-Security-Token", "X-Amz-Signature", "X-Amz-Credential",

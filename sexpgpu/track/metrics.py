@@ -94,11 +94,13 @@ class Metrics:
     Raises:
       SxError: E-METRICS-001 when a target cannot be written.
     """
-    event = {"kind": kind, **fields}
+    # The kind is ours and the run's slug is whole (sweep matches it; make_slug keeps out
+    # credentials): the fields alone are scrubbed, a step's numbers in one short walk.
+    event = {"kind": kind, **scrubbed(fields)}
     event.setdefault("slug", self._slug)
-    event = {**scrubbed(event), "time": time.time()}
-    if fields.get("slug", self._slug) == self._slug:
-      event["slug"] = self._slug  # whole, as sweep matches it: make_slug keeps out credentials
+    if fields.get("slug") == self._slug:
+      event["slug"] = self._slug
+    event["time"] = time.time()
     with self._lock:
       if self._closed:
         return event
