@@ -121,7 +121,7 @@ def main() -> int:
                                                                           event(mh)))
     timed("host: set_status(force=False) incl. np.median", status_update)
     jit_state, m2 = timed("same fn via jax.jit, dispatch+wait", lambda: jax.block_until_ready(
-        st._fused(jit_state, batches)))
+        st._fused(jit_state, batches, {})))  # {}: no rates as arguments (no recipe)
     for n, f in base.items():
       bstate[n], l = timed(f"baseline ({n} layers), dispatch+wait",
                            lambda: jax.block_until_ready(f(bstate[n], batches["tokens"])))

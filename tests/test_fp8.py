@@ -77,8 +77,11 @@ def test_fp8_matmul_gradient_takes_the_e5m2_cotangent():
   want_dx = jnp.matmul(g8, deq(w, fp8.E4M3).T, preferred_element_type=jnp.float32)
   want_dw = jnp.matmul(deq(x, fp8.E4M3).reshape(-1, 32).T, g8.reshape(-1, 16),
                        preferred_element_type=jnp.float32)
-  np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
-  np.testing.assert_array_equal(np.asarray(dw), np.asarray(want_dw))
+  # Within float32 rounding, not bitwise: a worker whose backend opened with YNNPACK's dot
+  # fusion (a run earlier in the process sets it) may fuse the dequantising scale into the
+  # jitted product and not into the reference's (1.2e-7 apart seen; e4m3 is 2^-4 apart)
+  np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dw), np.asarray(want_dw), rtol=1e-6, atol=1e-6)
   # float8, not bf16: the product is off the exact one by more than bf16 would be
   exact = np.asarray(x) @ np.asarray(w)
   err = np.abs(np.asarray(y) - exact).max() / np.abs(exact).max()

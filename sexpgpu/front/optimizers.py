@@ -207,73 +207,151 @@ OPTIMIZERS: dict[str, Optimizer] = {
 }
 
 
-def _warmup_cosine(peak, warmup, end, total, kw):
-  return _optax().warmup_cosine_decay_schedule(0.0, peak, max(warmup, 1),
-                                               max(total, warmup + 1), end_value=end)
+# Each schedule is two halves: its numbers, worked out on the host in Python exactly as optax's
+# schedule functions would hold them as constants (a difference such as peak - end taken in
+# float64, then rounded once to float32), and a function of those numbers that does optax's
+# jnp operations on them. Given Python numbers it computes what optax's schedule does; given
+# the train step's traced arguments it computes the same bits, so the numbers (a rate, a
+# length) are arguments of the step, not constants: another `--steps` or `lr` reuses its
+# executable (tests/test_schedule_numbers.py holds the bits against optax's own schedules).
+def _jnp():
+  import jax.numpy as jnp
+  return jnp
 
 
-def _warmup_linear(peak, warmup, end, total, kw):
-  optax = _optax()
-  return optax.join_schedules([
-      optax.linear_schedule(0.0, peak, max(warmup, 1)),
-      optax.linear_schedule(peak, end, max(total - warmup, 1))], [warmup])
+def _linear(span, end, steps):
+  """optax.linear_schedule(init, end, steps): `span` is init - end, taken on the host."""
+  def schedule(count):
+    jnp = _jnp()
+    count = jnp.clip(count - 0, 0, steps)
+    frac = 1 - count / steps
+    return span * (frac**1) + end
+  return schedule
 
 
-def _warmup_stable_decay(peak, warmup, end, total, kw):
-  """Warmup to :peak, held there, then down to the end over the last :decay-fraction of the
-  steps: linearly, or with `shape` "cosine" (a half cosine)."""
-  optax = _optax()
+def _cosine(peak, decay, one_minus_alpha, alpha):
+  """optax.cosine_decay_schedule(peak, decay, alpha): `decay` a float, as optax makes it."""
+  def schedule(count):
+    jnp = _jnp()
+    count = jnp.minimum(count, decay)
+    cosine_decay = 0.5 * (1 + jnp.cos(jnp.pi * count / decay))
+    decayed = one_minus_alpha * cosine_decay**1.0 + alpha
+    return peak * decayed
+  return schedule
+
+
+def _join(schedules, boundaries):
+  """optax.join_schedules."""
+  def schedule(step):
+    jnp = _jnp()
+    output = schedules[0](step)
+    for boundary, later in zip(boundaries, schedules[1:]):
+      output = jnp.where(step < boundary, output, later(step - boundary))
+    return output
+  return schedule
+
+
+def _alpha(peak, end):
+  return 0.0 if peak == 0.0 else end / peak
+
+
+def _warmup_cosine_numbers(peak, warmup, end, total, kw):
+  """optax.warmup_cosine_decay_schedule(0, peak, max(warmup, 1), max(total, warmup + 1), end)
+  (a cosine of at least one step: optax refuses none, as a one-step run without warmup asks)."""
+  w = max(warmup, 1)
+  alpha = _alpha(peak, end)
+  return {"rise": 0.0 - peak, "peak": peak, "warmup": w,
+          "decay": float(max(max(total, warmup + 1) - w, 1)),
+          "1-alpha": 1 - alpha, "alpha": alpha}
+
+
+def _warmup_cosine(n, kw):
+  return _join([_linear(n["rise"], n["peak"], n["warmup"]),
+                _cosine(n["peak"], n["decay"], n["1-alpha"], n["alpha"])], [n["warmup"]])
+
+
+def _warmup_linear_numbers(peak, warmup, end, total, kw):
+  return {"rise": 0.0 - peak, "peak": peak, "warmup": max(warmup, 1), "fall": peak - end,
+          "end": end, "decay": max(total - warmup, 1), "boundary": warmup}
+
+
+def _warmup_linear(n, kw):
+  return _join([_linear(n["rise"], n["peak"], n["warmup"]),
+                _linear(n["fall"], n["end"], n["decay"])], [n["boundary"]])
+
+
+def _warmup_stable_decay_numbers(peak, warmup, end, total, kw):
   decay = max(int(round(float(kw["decay-fraction"]) * total)), 1)
   start = max(total - decay, warmup)
-  down = (optax.cosine_decay_schedule(peak, max(total - start, 1), alpha=end / peak if peak
-                                      else 0.0)
+  alpha = _alpha(peak, end)
+  return {"rise": 0.0 - peak, "peak": peak, "warmup": max(warmup, 1), "boundary": warmup,
+          "start": start, "decay": max(total - start, 1), "fall": peak - end, "end": end,
+          "1-alpha": 1 - alpha, "alpha": alpha}
+
+
+def _warmup_stable_decay(n, kw):
+  """Warmup to :peak, held there, then down to the end over the last :decay-fraction of the
+  steps: linearly, or with `shape` "cosine" (a half cosine)."""
+  down = (_cosine(n["peak"], n["decay"] * 1.0, n["1-alpha"], n["alpha"])
           if kw.get("shape", "linear") == "cosine"
-          else optax.linear_schedule(peak, end, max(total - start, 1)))
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, max(warmup, 1)),
-                               optax.constant_schedule(peak), down], [warmup, start])
+          else _linear(n["fall"], n["end"], n["decay"]))
+  return _join([_linear(n["rise"], n["peak"], n["warmup"]), lambda count: n["peak"], down],
+               [n["boundary"], n["start"]])
 
 
-def _rsqrt(peak, warmup, end, total, kw):
-  import jax
+def _rsqrt_numbers(peak, warmup, end, total, kw):
   w = max(warmup, 1)
-  return lambda count: peak * jax.numpy.minimum((count + 1) / w, 1.0) * jax.lax.rsqrt(
-      jax.numpy.maximum(count + 1.0, float(w)) / w)
+  return {"peak": peak, "warmup": w, "warmup-f": float(w)}
+
+
+def _rsqrt(n, kw):
+  import jax
+  return lambda count: n["peak"] * _jnp().minimum((count + 1) / n["warmup"], 1.0) * \
+      jax.lax.rsqrt(_jnp().maximum(count + 1.0, n["warmup-f"]) / n["warmup"])
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """One learning-rate schedule: its keywords with defaults and its optax schedule.
+  """One learning-rate schedule: its keywords with defaults, its numbers and its function.
 
   Attributes:
     doc: one line for docs/language.md.
     keywords: (keyword, default); :peak is required.
-    make: (peak, warmup, end, total steps, keyword values) → a schedule of the step count;
-      `end` is the last learning rate, absolute: :min-lr, or :peak × :floor.
+    numbers: (peak, warmup, end, total steps, keyword values) → the numbers the schedule is
+      made of (Python ints and floats, worked out as optax would); `end` is the last
+      learning rate, absolute: :min-lr, or :peak × :floor.
+    make: (numbers, keyword values) → a schedule of the step count; the numbers may be
+      Python's or the step's traced arguments (the same bits either way).
     written: whether the language has it as a builtin of its name (`rsqrt` is not: it is the
       op 1/√x, and `(rsqrt :peak P)` the old spelling of warmup-rsqrt, front/prims.py).
   """
 
   doc: str
   keywords: tuple[tuple[str, Any], ...]
-  make: Callable[[float, int, float, int, dict], Callable]
+  numbers: Callable[[float, int, float, int, dict], dict]
+  make: Callable[[dict, dict], Callable]
   written: bool = True
 
 
 _PWFS = (("peak", None), ("warmup", 0), ("floor", 0.0), ("min-lr", None), ("steps", None))
 SCHEDULES: dict[str, Schedule] = {
     "warmup-cosine": Schedule("linear warmup from 0 to :peak, then a cosine to :peak × "
-                              ":floor (or :min-lr) at :steps", _PWFS, _warmup_cosine),
+                              ":floor (or :min-lr) at :steps", _PWFS, _warmup_cosine_numbers,
+                              _warmup_cosine),
     "warmup-linear": Schedule("linear warmup from 0 to :peak, then linear to :peak × :floor "
-                              "(or :min-lr) at :steps", _PWFS, _warmup_linear),
+                              "(or :min-lr) at :steps", _PWFS, _warmup_linear_numbers,
+                              _warmup_linear),
     "warmup-stable-decay": Schedule(
         "WSD: linear warmup from 0 to :peak, held at :peak, then down to :peak × :floor (or "
         ":min-lr) over the last :decay-fraction of :steps", _PWFS[:4] + (
-            ("decay-fraction", 0.2), ("shape", "linear")) + _PWFS[4:], _warmup_stable_decay),
+            ("decay-fraction", 0.2), ("shape", "linear")) + _PWFS[4:],
+        _warmup_stable_decay_numbers, _warmup_stable_decay),
     "warmup-rsqrt": Schedule("linear warmup from 0 to :peak, then the inverse square root, "
-                             ":peak × √(warmup / step)", (("peak", None), ("warmup", 0)), _rsqrt),
+                             ":peak × √(warmup / step)", (("peak", None), ("warmup", 0)),
+                             _rsqrt_numbers, _rsqrt),
     # the old spelling, read as warmup-rsqrt (a Spec of this name still lowers)
     "rsqrt": Schedule("the old spelling of warmup-rsqrt", (("peak", None), ("warmup", 0)),
-                      _rsqrt, written=False),
+                      _rsqrt_numbers, _rsqrt, written=False),
 }
 
 

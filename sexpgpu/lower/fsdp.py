@@ -341,7 +341,7 @@ class ShardedTrainStep(TrainStep):
     tapped = {n: v.reshape(-1) for n, v in tapped.items()}
     return jnp.sum(loss), grads, tapped
 
-  def _finish(self, state, loss, grads, tapped, stop):
+  def _finish(self, state, loss, grads, tapped, stop, rates):
     carry = None
     if self.carried:
       fed = jax.tree_util.tree_map(jnp.add, grads, state["carry"])
@@ -349,17 +349,17 @@ class ShardedTrainStep(TrainStep):
       carry = jax.tree_util.tree_map(lambda e, q: e - q.astype(jnp.float32), fed, sent)
       grads = self._constrain({path: self._node_sum(path, q) for path, q in sent.items()},
                               self._param_shardings(self._train(state["params"])))
-    new_state, metrics = self._apply(state, loss, grads, tapped)
+    new_state, metrics = self._apply(state, loss, grads, tapped, rates)
     if carry is not None:
       new_state["carry"] = carry
     new_state = self._constrain(new_state, self.state_shardings(state))
     flag = jnp.max(stop).astype(jnp.float32)  # any rank's stop flag stops every rank
     return new_state, jnp.concatenate([metrics, flag[None]])
 
-  def _sharded_full(self, state, batches, stop):
+  def _sharded_full(self, state, batches, stop, rates):
     loss, grads, tapped = self._ranks_grads(state["params"], self._by_rank(batches),
                                             state["step"], 0)
-    return self._finish(state, loss, grads, tapped, stop)
+    return self._finish(state, loss, grads, tapped, stop, rates)
 
   def _sharded_chunk(self, params, batches, step, c, acc_loss, acc_grads):
     s = self.stacking
@@ -374,8 +374,8 @@ class ShardedTrainStep(TrainStep):
     zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params)
     return jnp.float32(0.0), self._constrain(zeros, self._sums_shardings(params))
 
-  def _sharded_update(self, state, loss, grads, tapped, stop):
-    return self._finish(state, loss, grads, tapped, stop)
+  def _sharded_update(self, state, loss, grads, tapped, stop, rates):
+    return self._finish(state, loss, grads, tapped, stop, rates)
 
   def _abstract_sums(self, params: dict) -> dict:
     params = self._train(params)
@@ -397,7 +397,8 @@ class ShardedTrainStep(TrainStep):
     sums = self._abstract_sums(params)
     tapped = {d.name: jax.ShapeDtypeStruct((self.microbatches,), jnp.float32, sharding=rep)
               for d in self.diags if d.kind == "tap"}
-    update = self._update.lower(state, loss, sums, tapped, self._stop_abstract()).compile()
+    update = self._update.lower(state, loss, sums, tapped, self._stop_abstract(),
+                                self._rates_abstract()).compile()
     self._grads_exec, self._update_exec = grads, update
     return {"gradient call": grads, "update": update}
 
@@ -405,7 +406,7 @@ class ShardedTrainStep(TrainStep):
     """(the jitted step, or stacked its gradient call, its abstract sharded arguments)."""
     state, batches = self._place_state(state), self._placed(batches, "data")
     if self.fused:
-      return self._fused, (state, batches, self._stop_abstract())
+      return self._fused, (state, batches, self._stop_abstract(), self._rates_abstract())
     rep = NamedSharding(self.mesh, P())
     loss = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
     sums = self._abstract_sums(state["params"])

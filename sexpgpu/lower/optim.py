@@ -15,12 +15,23 @@ from sexpgpu.front.optimizers import KEYWORDS, OPTIMIZERS, SCHEDULES, names_text
 from sexpgpu.front.values import Spec
 
 
-def schedule(value: Any, steps: int, where) -> Callable[[Any], Any] | float:
-  """A learning rate: a number, (constant V) or a schedule Spec (front/optimizers.py)."""
+def rate(value: Any, steps: int, where) -> tuple[dict, Callable[[dict], Any]]:
+  """A learning rate as its numbers and how it is made of them.
+
+  Args:
+    value: a number, (constant V) or a schedule Spec (front/optimizers.py).
+    steps: the run's steps (a schedule's length when it names none).
+    where: the optimizer's location, for an error.
+
+  Returns:
+    (numbers, make): the numbers are Python ints and floats; `make(numbers)` is the rate (a
+    number, or a schedule of the step count), with these numbers or with the train step's
+    traced copies of them (lower/step.py: the same bits, one executable for any values).
+  """
   if isinstance(value, (int, float)) and not isinstance(value, bool):
-    return float(value)
+    return {"value": float(value)}, lambda n: n["value"]
   if isinstance(value, Init) and value.kind == "constant":
-    return float(value.value)
+    return {"value": float(value.value)}, lambda n: n["value"]
   if isinstance(value, Spec) and value.kind == "schedule" and value.name in SCHEDULES:
     given = dict(value.args)
     kw = {**dict(SCHEDULES[value.name].keywords), **given}
@@ -28,9 +39,34 @@ def schedule(value: Any, steps: int, where) -> Callable[[Any], Any] | float:
     peak = float(kw["peak"])
     end = float(kw["min-lr"]) if kw.get("min-lr") is not None else peak * float(
         kw.get("floor", 0.0))
-    return SCHEDULES[value.name].make(peak, int(kw.get("warmup", 0)), end, int(total), kw)
+    entry = SCHEDULES[value.name]
+    return (entry.numbers(peak, int(kw.get("warmup", 0)), end, int(total), kw),
+            lambda n: entry.make(n, kw))
   raise SxError("E-RUN-002", "a learning rate is a number or a schedule", location=where,
                 fix="(warmup-cosine :peak 1e-3 :warmup 100 :floor 0.1), or a number")
+
+
+def schedule(value: Any, steps: int, where) -> Callable[[Any], Any] | float:
+  """A learning rate made of its own numbers: a number or a schedule of the step count."""
+  numbers, make = rate(value, steps, where)
+  return make(numbers)
+
+
+def _rates(spec: Spec, steps: int) -> dict[str, tuple[dict, Callable]]:
+  """Each rate keyword of the optimizer (:lr, Muon's :adam-lr) given: (numbers, make)."""
+  entry = OPTIMIZERS.get(spec.name)
+  if entry is None:
+    raise SxError("E-RUN-002", f"unknown optimizer {spec.name}", location=spec.loc,
+                  fix="one of " + names_text())
+  kw = {**entry.defaults(), **dict(spec.args)}
+  return {key: rate(kw[key], steps, spec.loc) for key in ("lr",) + tuple(entry.keywords)
+          if kw.get(key) is not None and (key == "lr" or KEYWORDS[key].kind == "rate")}
+
+
+def rate_numbers(spec: Spec, steps: int) -> dict[str, dict]:
+  """The numbers of every learning rate of the optimizer, by keyword: what the train step
+  takes as arguments (`make_optimizer(..., numbers=)` builds the optimizer from them)."""
+  return {key: numbers for key, (numbers, _) in _rates(spec, steps).items()}
 
 
 def decay_mask(spec: Spec, graph: Graph) -> dict[str, bool]:
@@ -124,7 +160,8 @@ def scale_each(factors: dict[str, float]) -> optax.GradientTransformation:
                          lambda params: {k: names[factors.get(k, 1.0)] for k in params})
 
 
-def make_optimizer(spec: Spec, steps: int, graph: Graph | None = None
+def make_optimizer(spec: Spec, steps: int, graph: Graph | None = None,
+                   numbers: dict[str, dict] | None = None
                    ) -> tuple[optax.GradientTransformation, Any]:
   """The optax chain for an optimizer Spec, and its learning-rate schedule.
 
@@ -133,21 +170,20 @@ def make_optimizer(spec: Spec, steps: int, graph: Graph | None = None
   (`:weight-decay`). Muon's split (hidden and expert matrices, the rest) is `matrices`. The
   decay reaches the parameters `decay_mask` chooses from `graph` (the loss graph), or without
   one those of rank ≥ 2. Under μP (`:parametrization mup`, carried by the Spec) each
-  parameter's update is then scaled by its learning-rate factor (`lr_factors`).
+  parameter's update is then scaled by its learning-rate factor (`lr_factors`). The learning
+  rates are made of `numbers` (rate_numbers' shape: the train step's traced arguments) when
+  given, else of their own.
 
   Raises:
     SxError: E-RUN-002 for an optimizer the table lacks, a bad learning rate or decay
       pattern; E-ROLE-001 (decay_mask).
   """
-  entry = OPTIMIZERS.get(spec.name)
-  if entry is None:
-    raise SxError("E-RUN-002", f"unknown optimizer {spec.name}", location=spec.loc,
-                  fix="one of " + names_text())
+  rates = _rates(spec, steps)
+  entry = OPTIMIZERS[spec.name]
   kw = {**entry.defaults(), **dict(spec.args)}
-  lr = schedule(kw["lr"], steps, spec.loc)
-  for key in entry.keywords:  # a second rate (Muon's :adam-lr)
-    if key != "lr" and kw.get(key) is not None and KEYWORDS[key].kind == "rate":
-      kw[key] = schedule(kw[key], steps, spec.loc)
+  for key, (own, make) in rates.items():
+    kw[key] = make(own if numbers is None else numbers[key])
+  lr = kw["lr"]
   wd = float(kw["weight-decay"])
   mask = _mask_of(spec, graph)
   parts = []

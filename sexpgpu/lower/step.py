@@ -80,6 +80,12 @@ class TrainStep:
   # constants of the step: not differentiated, not in the optimizer state, passed through
   trainable: frozenset | None = None
   fp8_only: tuple = ()  # under fp8, the `:fp8` globs naming the products (LowerCtx.fp8_only)
+  # The learning rates' numbers (lower/optim.py's rate_numbers: peak, warmup, length, ...)
+  # as arguments of the step, and `recipe(numbers)` → (optimizer, schedule) built from their
+  # traced copies: another rate or length reuses the executable. Without a recipe the
+  # optimizer and schedule above are the step's constants.
+  recipe: Callable | None = None
+  rates: dict | None = None
 
   def __post_init__(self):
     self.ranks = 1 if self.mesh is None else self.mesh.size
@@ -100,6 +106,34 @@ class TrainStep:
     self._grads = jax.jit(self._chunk_grads, donate_argnums=(4, 5))
     self._zeros_fn = jax.jit(self._zeros, out_shardings=self._sharding("data"))
     self._fused_exec = self._grads_exec = self._update_exec = None
+    self._rates_on = None  # the rates' numbers on the step's devices, put there once
+
+  def _rate_values(self) -> dict:
+    """The rates' numbers as the step takes them: int32 and float32 scalars."""
+    if self.recipe is None:
+      return {}
+    return jax.tree_util.tree_map(
+        lambda v: np.int32(v) if isinstance(v, int) else np.float32(v), self.rates)
+
+  def _rates_abstract(self) -> dict:
+    return self._placed(jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct((), v.dtype),
+                                               self._rate_values()), "rep")
+
+  def _rates_for(self, state) -> dict:
+    """The rates' numbers placed as the state's replicated parts are (once a step object)."""
+    if self._rates_on is None:
+      values = self._rate_values()
+      sharding = self._sharding("rep")
+      if sharding is None:  # one device: the state's
+        sharding = jax.tree_util.tree_leaves(state)[0].sharding
+      self._rates_on = jax.device_put(values, sharding)
+    return self._rates_on
+
+  def _recipe(self, rates: dict):
+    """(optimizer, schedule): the step's constants, or built from the traced rates."""
+    if self.recipe is None:
+      return self.optimizer, self.schedule
+    return self.recipe(rates)
 
   def _train(self, params: dict) -> dict:
     """The parameters the step trains, by path (all of them without `trainable`)."""
@@ -153,13 +187,14 @@ class TrainStep:
                                                    (batches, jnp.arange(n)))
     return loss, grads, losses, tapped
 
-  def _apply(self, state, loss_sum, grad_sum, tapped):
+  def _apply(self, state, loss_sum, grad_sum, tapped, rates):
+    optimizer, schedule = self._recipe(rates)
     k = self.microbatches
     loss = loss_sum / k
     grads = jax.tree_util.tree_map(lambda g: g / k, grad_sum)
     params, opt = state["params"], state["opt"]
     trained = self._train(params)
-    updates, new_opt = self.optimizer.update(grads, opt, trained)
+    updates, new_opt = optimizer.update(grads, opt, trained)
     new_params = optax.apply_updates(trained, updates)
     ok = _finite(loss) & _finite(optax.tree.norm(grads))
     halted = jnp.bool_(False)
@@ -172,7 +207,7 @@ class TrainStep:
     keep = lambda flag, new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b),
                                                          new, old)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-               "lr": jnp.asarray(self.schedule(state["step"]), jnp.float32), "finite": ok}
+               "lr": jnp.asarray(schedule(state["step"]), jnp.float32), "finite": ok}
     for d in self.diags:
       if d.kind == "grad-norm":
         metrics["diag/" + d.name] = _norm(grads, d.arg)
@@ -197,9 +232,9 @@ class TrainStep:
     return new_state, jnp.stack([jnp.asarray(metrics[n], jnp.float32)
                                  for n in self.metric_names])
 
-  def _full_step(self, state, batches):
+  def _full_step(self, state, batches, rates):
     loss, grads, _, tapped = self._stacked_grads(state["params"], batches, state["step"], 0)
-    return self._apply(state, loss, grads, tapped)
+    return self._apply(state, loss, grads, tapped, rates)
 
   # --- data parallel: rank r takes microbatches r·K/R … (r+1)·K/R − 1 of each step ---------
   def _shard(self, fn, in_specs, out_specs):
@@ -231,10 +266,10 @@ class TrainStep:
     tapped = {n: jax.lax.all_gather(v, self.axes, tiled=True) for n, v in tapped.items()}
     return loss, grads, tapped
 
-  def _dp_apply(self, state, loss, grads, tapped, stop):
+  def _dp_apply(self, state, loss, grads, tapped, stop, rates):
     """Combines the ranks' sums once, updates, and reads every rank's stop flag."""
     loss, grads, carry = self._combine(loss, grads, state.get("carry"))
-    new_state, metrics = self._apply(state, loss, grads, tapped)
+    new_state, metrics = self._apply(state, loss, grads, tapped, rates)
     if carry is not None:
       new_state["carry"] = carry
     # every rank's stop flag, so a signal on one node stops all at the same step
@@ -245,28 +280,28 @@ class TrainStep:
     from jax.sharding import PartitionSpec as P
     return {k: (P(self.axes) if k == "carry" else P()) for k in state}
 
-  def _dp_step(self, state, batches, stop):
+  def _dp_step(self, state, batches, stop, rates):
     from jax.sharding import PartitionSpec as P
 
-    def inner(state, batches, stop):
+    def inner(state, batches, stop, rates):
       loss, grads, tapped = self._rank_grads(state["params"], batches, state["step"], 0)
-      return self._dp_apply(state, loss, grads, tapped, stop)
+      return self._dp_apply(state, loss, grads, tapped, stop, rates)
 
     specs = self._state_specs(state)
-    return self._shard(inner, (specs, P(self.axes), P(self.axes)), (specs, P()))(
-        state, batches, stop)
+    return self._shard(inner, (specs, P(self.axes), P(self.axes), P()), (specs, P()))(
+        state, batches, stop, rates)
 
-  def _dp_update(self, state, loss, grads, tapped, stop):
+  def _dp_update(self, state, loss, grads, tapped, stop, rates):
     """The update after K/(S·R) gradient calls: each rank's sums arrive split by rank."""
     from jax.sharding import PartitionSpec as P
 
-    def inner(state, loss, grads, tapped, stop):
+    def inner(state, loss, grads, tapped, stop, rates):
       return self._dp_apply(state, loss[0], jax.tree_util.tree_map(lambda g: g[0], grads),
-                            tapped, stop)
+                            tapped, stop, rates)
 
     specs = self._state_specs(state)
-    return self._shard(inner, (specs, P(self.axes), P(self.axes), P(), P(self.axes)),
-                       (specs, P()))(state, loss, grads, tapped, stop)
+    return self._shard(inner, (specs, P(self.axes), P(self.axes), P(), P(self.axes), P()),
+                       (specs, P()))(state, loss, grads, tapped, stop, rates)
 
   def _chunk_local(self, params, batches, step, c, acc_loss, acc_grads):
     """Adds chunk c's loss and gradients (microbatches c·S … (c+1)·S − 1) to the sums.
@@ -328,7 +363,7 @@ class TrainStep:
     """One optimizer step over `batches` (leading axis K); returns (state, metrics vector)."""
     if self.ranks > 1 and stop is None:
       stop = self.stop_flags()
-    extra = (stop,) if self.ranks > 1 else ()
+    extra = ((stop,) if self.ranks > 1 else ()) + (self._rates_for(state),)
     if self.fused:
       return (self._fused_exec or self._fused)(state, batches, *extra)
     # K/(S·R) calls of the stacked gradient graph, each adding into f32 sums, then one update.
@@ -361,7 +396,7 @@ class TrainStep:
     loss, sums = self._placed(jax.eval_shape(self._zeros, state["params"]), "data")
     tapped = self._placed({d.name: jax.ShapeDtypeStruct((self.microbatches,), jnp.float32)
                            for d in self.diags if d.kind == "tap"}, "rep")
-    extra = (self._stop_abstract(),) if self.ranks > 1 else ()
+    extra = ((self._stop_abstract(),) if self.ranks > 1 else ()) + (self._rates_abstract(),)
     update = self._update.lower(state, loss, sums, tapped, *extra).compile()
     self._grads_exec, self._update_exec = grads, update
     return {"gradient call": grads, "update": update}
@@ -375,7 +410,7 @@ class TrainStep:
     """(the jitted function that `lowered` lowers, its abstract placed arguments)."""
     state, batches = self._place_state(state), self._placed(batches, "data")
     if self.fused:
-      extra = (self._stop_abstract(),) if self.ranks > 1 else ()
+      extra = ((self._stop_abstract(),) if self.ranks > 1 else ()) + (self._rates_abstract(),)
       return self._fused, (state, batches, *extra)
     loss, grads = self._placed(jax.eval_shape(self._zeros, state["params"]), "data")
     return self._grads, (state["params"], batches, state["step"], jnp.int32(0), loss, grads)

@@ -8,6 +8,7 @@ planned is the step that runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 from sexpgpu.ir.shapes import np_dtype
 from sexpgpu.lower import fp8
 from sexpgpu.lower.init import compile_init, compile_init_soon, init_params
-from sexpgpu.lower.optim import make_optimizer
+from sexpgpu.lower.optim import make_optimizer, rate_numbers
 from sexpgpu.lower.fsdp import ShardedTrainStep, share
 from sexpgpu.lang.mesh import check_devices, is_mesh
 from sexpgpu.lower.layouts import DATA_AXES, find_pairs, make_mesh, param_specs
@@ -89,11 +90,12 @@ class Training:
     return (self.place is not None and self.place.multiprocess
             and self.node_gradients == "bf16")
 
-  def optimizer(self, stage: int = 0):
+  def optimizer(self, stage: int = 0, numbers: dict | None = None):
     """The stage's optax transformation and learning-rate schedule (weight decay by each
-    parameter's role in the stage's graph), its state of the trained parameters only."""
+    parameter's role in the stage's graph), its state of the trained parameters only; the
+    rates made of `numbers` (the step's traced arguments) when given, else of their own."""
     opt, sched = make_optimizer(self.c.stages[stage].exp.optimizer, self.steps,
-                                self.c.stages[stage].graph)
+                                self.c.stages[stage].graph, numbers)
     return trained_only(opt, self.trainable), sched
 
   def step(self, stage: int, degree: int) -> TrainStep:
@@ -105,8 +107,13 @@ class Training:
       args = (self.c.stages[stage].graph, opt, sched, self.precision, self.k, degree, self.seed,
               self.on_nan, self.diags, place.mesh if place else None, self.node_gradients,
               place.first.platform if place else None)
+      # the rates' numbers are arguments of the step: another rate or --steps, the same
+      # executable (a sweep over rates compiles its step once)
+      tuned = dict(recipe=functools.partial(self.optimizer, stage),
+                   rates=rate_numbers(self.c.stages[stage].exp.optimizer, self.steps))
       if self.sharding == "replicate":
-        self._steps[key] = TrainStep(*args, trainable=self.trainable, fp8_only=self.fp8_only)
+        self._steps[key] = TrainStep(*args, trainable=self.trainable, fp8_only=self.fp8_only,
+                                     **tuned)
       else:
         stacks = {path: len(p.stack) for path, p in self.c.params.items()}
         layout, held, graph = None, {}, self.c.stages[stage].graph
@@ -123,7 +130,7 @@ class Training:
           args = args[:9] + (make_mesh(place.devices, self.mesh),) + args[10:]
         self._steps[key] = ShardedTrainStep(*args, sharding=self.sharding, stacks=stacks,
                                             layout=layout, trainable=self.trainable,
-                                            fp8_only=self.fp8_only, **held)
+                                            fp8_only=self.fp8_only, **tuned, **held)
     return self._steps[key]
 
   def place_state(self, state: dict, stage: int = 0) -> dict:
