@@ -10,8 +10,8 @@ rotating order, runs as separate processes:
   default threads) for --iters iterations;
 - `sexpgpu`: `sexpgpu run configs/shakespeare-char.sx --set text=DIR/input.txt --steps N
   --metrics jsonl:F`, as a user would, on a warm XLA cache (JAX_COMPILATION_CACHE_DIR and
-  SEXPGPU_CACHE_DIR filled by a run of the same N steps before the rounds: N is the cosine
-  schedule's length, a constant of the compiled train step, so another count compiles anew);
+  SEXPGPU_CACHE_DIR filled by a run of the same N steps before the rounds; the schedule's
+  numbers, N among them, are arguments of the train step, so any count would load it);
 - `cold`: the same command with `--steps 1` and empty cache folders: start-up and peak
   memory with every executable compiled.
 
@@ -138,7 +138,7 @@ def run_rounds(text: str, rounds: int, iters: int, legs: list[str], vocab: int,
   """R rounds of the legs in a rotating order; each round's results by leg."""
   warm = tempfile.mkdtemp(prefix="bench-nanogpt-warm-")
   try:
-    if "sexpgpu" in legs:  # fills the warm caches; the step count is compiled into the step
+    if "sexpgpu" in legs:  # fills the warm caches (the legs' own count: what a user reruns)
       log(f"filling the warm caches: {leg_sexpgpu(text, iters, warm, config)['kernels']}")
     out = []
     for r in range(rounds):

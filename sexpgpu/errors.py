@@ -315,13 +315,19 @@ def scrub(text, known: list[str] | None = None) -> str:
     The text with every credential masked.
   """
   text = str(text)
-  if "://" in text or "=" in text:  # a URI or a query parameter: what masks, and teaches
+  if may_teach(text):
     text = _mask_uris(text)
     known = None
   for secret in known_secrets() if known is None else known:
     if secret in text:
       text = text.replace(secret, MASK)
   return text
+
+
+def may_teach(text: str) -> bool:
+  """Whether `text` may hold a URI or a query parameter: what scrub masks by its form, and
+  remembers (so `known_secrets()` read before it may be out of date after it)."""
+  return "://" in text or "=" in text
 
 
 def known_secrets() -> list[str]:

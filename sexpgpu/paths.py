@@ -13,7 +13,8 @@ from fsspec.core import split_protocol
 from sexpgpu.errors import SxError
 # The one credential scrubber lives in sexpgpu/errors.py (below every layer: SxError and the
 # language's slug use it); this module is where the rest of the package takes it from.
-from sexpgpu.errors import credentials_in, known_secrets, scrub, without_credentials  # noqa: F401
+from sexpgpu.errors import (credentials_in, known_secrets, may_teach, scrub,  # noqa: F401
+                            without_credentials)
 
 # The object stores we read and write, each with the fsspec package that serves it.
 REMOTE_PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
@@ -142,7 +143,7 @@ def scrubbed(value):
     if type(v) in _PLAIN:
       return v
     if isinstance(v, str):
-      if "://" in v or "=" in v:
+      if may_teach(v):
         known.clear()
         return scrub(v)
       if not known:

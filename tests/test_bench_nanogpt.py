@@ -85,8 +85,8 @@ def test_without_the_sexpgpu_script_the_legs_run_the_module(monkeypatch):
 
 
 def test_the_warm_caches_are_filled_with_the_legs_own_step_count(monkeypatch):
-  # `--steps N` is the cosine schedule's length, a constant of the compiled train step: a
-  # one-step run filled the caches with another step, and round 1's warm leg compiled it
+  # the legs' own run fills them: when `--steps N` was a constant of the compiled step a
+  # one-step run filled them with another step, which round 1's warm leg then compiled
   import bench_nanogpt
   calls = []
 

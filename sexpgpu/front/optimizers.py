@@ -285,14 +285,14 @@ def _warmup_stable_decay_numbers(peak, warmup, end, total, kw):
   start = max(total - decay, warmup)
   alpha = _alpha(peak, end)
   return {"rise": 0.0 - peak, "peak": peak, "warmup": max(warmup, 1), "boundary": warmup,
-          "start": start, "decay": max(total - start, 1), "fall": peak - end, "end": end,
-          "1-alpha": 1 - alpha, "alpha": alpha}
+          "start": start, "decay": max(total - start, 1), "decay-f": float(max(total - start, 1)),
+          "fall": peak - end, "end": end, "1-alpha": 1 - alpha, "alpha": alpha}
 
 
 def _warmup_stable_decay(n, kw):
   """Warmup to :peak, held there, then down to the end over the last :decay-fraction of the
   steps: linearly, or with `shape` "cosine" (a half cosine)."""
-  down = (_cosine(n["peak"], n["decay"] * 1.0, n["1-alpha"], n["alpha"])
+  down = (_cosine(n["peak"], n["decay-f"], n["1-alpha"], n["alpha"])
           if kw.get("shape", "linear") == "cosine"
           else _linear(n["fall"], n["end"], n["decay"]))
   return _join([_linear(n["rise"], n["peak"], n["warmup"]), lambda count: n["peak"], down],
@@ -305,9 +305,12 @@ def _rsqrt_numbers(peak, warmup, end, total, kw):
 
 
 def _rsqrt(n, kw):
-  import jax
-  return lambda count: n["peak"] * _jnp().minimum((count + 1) / n["warmup"], 1.0) * \
-      jax.lax.rsqrt(_jnp().maximum(count + 1.0, n["warmup-f"]) / n["warmup"])
+  def schedule(count):
+    import jax
+    jnp = jax.numpy
+    return n["peak"] * jnp.minimum((count + 1) / n["warmup"], 1.0) * jax.lax.rsqrt(
+        jnp.maximum(count + 1.0, n["warmup-f"]) / n["warmup"])
+  return schedule
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,13 +52,17 @@ def schedule(value: Any, steps: int, where) -> Callable[[Any], Any] | float:
   return make(numbers)
 
 
-def _rates(spec: Spec, steps: int) -> dict[str, tuple[dict, Callable]]:
-  """Each rate keyword of the optimizer (:lr, Muon's :adam-lr) given: (numbers, make)."""
+def _entry(spec: Spec):
+  """The optimizer's table entry and its keyword values (defaults, then the Spec's)."""
   entry = OPTIMIZERS.get(spec.name)
   if entry is None:
     raise SxError("E-RUN-002", f"unknown optimizer {spec.name}", location=spec.loc,
                   fix="one of " + names_text())
-  kw = {**entry.defaults(), **dict(spec.args)}
+  return entry, {**entry.defaults(), **dict(spec.args)}
+
+
+def _rates(spec: Spec, entry, kw: dict, steps: int) -> dict[str, tuple[dict, Callable]]:
+  """Each rate keyword of the optimizer (:lr, Muon's :adam-lr) given: (numbers, make)."""
   return {key: rate(kw[key], steps, spec.loc) for key in ("lr",) + tuple(entry.keywords)
           if kw.get(key) is not None and (key == "lr" or KEYWORDS[key].kind == "rate")}
 
@@ -66,7 +70,8 @@ def _rates(spec: Spec, steps: int) -> dict[str, tuple[dict, Callable]]:
 def rate_numbers(spec: Spec, steps: int) -> dict[str, dict]:
   """The numbers of every learning rate of the optimizer, by keyword: what the train step
   takes as arguments (`make_optimizer(..., numbers=)` builds the optimizer from them)."""
-  return {key: numbers for key, (numbers, _) in _rates(spec, steps).items()}
+  entry, kw = _entry(spec)
+  return {key: numbers for key, (numbers, _) in _rates(spec, entry, kw, steps).items()}
 
 
 def decay_mask(spec: Spec, graph: Graph) -> dict[str, bool]:
@@ -178,10 +183,8 @@ def make_optimizer(spec: Spec, steps: int, graph: Graph | None = None,
     SxError: E-RUN-002 for an optimizer the table lacks, a bad learning rate or decay
       pattern; E-ROLE-001 (decay_mask).
   """
-  rates = _rates(spec, steps)
-  entry = OPTIMIZERS[spec.name]
-  kw = {**entry.defaults(), **dict(spec.args)}
-  for key, (own, make) in rates.items():
+  entry, kw = _entry(spec)
+  for key, (own, make) in _rates(spec, entry, kw, steps).items():
     kw[key] = make(own if numbers is None else numbers[key])
   lr = kw["lr"]
   wd = float(kw["weight-decay"])
