@@ -1,4 +1,4 @@
-"""Lowering rules that differ by device: the registry, the CPU's matmul gradient."""
+"""Lowering rules that differ by device: the registry, the CPU's matmul and broadcast gradients."""
 
 import re
 
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from sexpgpu.ir.ops import OPS, LowerCtx
+from sexpgpu.lower import broadcast
+from sexpgpu.run.backend import CPU_XLA_FLAGS
 from sexpgpu.lower.rules import lowering, register_lowering, registered
 
 
@@ -45,6 +47,60 @@ def test_cpu_matmul_gradient_multiplies_by_a_materialized_transpose():
   # the product contracts its first axis (the layout YNNPACK runs at full speed)
   assert _dgrad_dots(None) == [("1", "1")]
   assert _dgrad_dots("cpu") == [("1", "0")]
+
+
+@pytest.mark.parametrize("op", ["+", "-", "*", "/"])
+@pytest.mark.parametrize("shapes,spread", [
+    (((12, 64, 48), (48,)), True),         # a bias over every token: summed as a product
+    (((64, 48), (12, 64, 48)), True),      # a position table over a batch (second operand)
+    (((12, 64, 48), (12, 1, 48)), False),  # repeated along a middle axis: the plain rule
+    (((4, 48), (48,)), False),             # fewer rows than broadcast.MIN_ROWS: the plain rule
+])
+def test_cpu_broadcast_gradients_equal_the_plain_ones(op, shapes, spread):
+  ka, kb = jax.random.split(jax.random.key(1))
+  a = jax.random.normal(ka, shapes[0], jnp.float32)
+  b = jax.random.uniform(kb, shapes[1], jnp.float32, 0.5, 2.0)
+
+  def loss(platform):
+    ctx = LowerCtx("f32", platform=platform)
+    return lambda a, b: jnp.sum(jnp.tanh(lowering(op, platform)(ctx, a, b)))
+  want = jax.jit(jax.value_and_grad(loss(None), argnums=(0, 1)))(a, b)
+  got = jax.jit(jax.value_and_grad(loss("cpu"), argnums=(0, 1)))(a, b)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-5)
+  assert ("custom_vjp" in str(jax.make_jaxpr(loss("cpu"))(a, b))) == spread
+
+
+def test_the_cpu_broadcast_op_spreads_new_leading_axes():
+  ctx = LowerCtx("f32", platform="cpu")
+  x = jnp.arange(48, dtype=jnp.float32)
+  g = jax.grad(lambda x: jnp.sum(lowering("broadcast", "cpu")(ctx, x, shape=(3, 16, 48)) ** 2))(x)
+  np.testing.assert_allclose(np.asarray(g), 2 * 48 * np.arange(48), rtol=1e-6)
+
+
+# a run's XLA CPU flag (run.backend.CPU_XLA_FLAGS) as one compile's option: this process may
+# have started its backend without it (XLA's default also hands reductions to YNNPACK)
+RUN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+def _bias_gradient_hlo(platform):
+  """The compiled gradient of a bias over [12, 64, 512], under the run's XLA CPU options."""
+  ctx = LowerCtx("f32", platform=platform)
+  x = jax.ShapeDtypeStruct((12, 64, 512), jnp.float32)
+  b = jax.ShapeDtypeStruct((512,), jnp.float32)
+  f = lambda b, x: jnp.sum(jnp.tanh(lowering("+", platform)(ctx, x, b)))  # noqa: E731
+  return jax.jit(jax.grad(f)).lower(b, x).compile(RUN_OPTIONS).as_text()
+
+
+def test_cpu_bias_gradient_is_a_product_not_a_windowed_sum():
+  # XLA's CPU backend sums the 768 rows of a plain bias gradient in windows of 32
+  # (reduce-window), element by element; the CPU rule sums them as ones · G instead
+  assert CPU_XLA_FLAGS == "--xla_cpu_experimental_ynn_fusion_type=dot"  # RUN_OPTIONS's
+  assert "reduce-window" in _bias_gradient_hlo(None)
+  hlo = _bias_gradient_hlo("cpu")
+  assert "reduce-window" not in hlo
+  assert re.search(r"= f32\[(1,)?512\]\{[0-9,]+\} dot\(", hlo)
 
 
 def test_bf16_products_keep_the_plain_rule():

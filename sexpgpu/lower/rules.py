@@ -1,6 +1,6 @@
 """Every platform lowering rule, registered on import; `lowering(op, platform)` finds an op's."""
 
-from sexpgpu.lower import attention, matmul, xent  # noqa: F401  (each registers its rules)
+from sexpgpu.lower import attention, broadcast, matmul, xent  # noqa: F401  (each registers its rules)
 from sexpgpu.lower.registry import lowering, platform_name, register_lowering, registered
 
 __all__ = ["lowering", "platform_name", "register_lowering", "registered"]
