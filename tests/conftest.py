@@ -19,6 +19,10 @@ BENCH_XLA_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                            if f != FAST_COMPILE)
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (BENCH_XLA_FLAGS + " " + FAST_COMPILE).strip()
+# A run's XLA CPU flag (run.backend.CPU_XLA_FLAGS: YNNPACK takes products only) as one
+# compile's option, for tests that read what a run's compile makes: this process may have
+# started its backend without it (XLA's default hands reductions to YNNPACK as well).
+RUN_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
 # A suite started under `nohup`, or as a background job of a script, inherits SIGHUP or

@@ -1,6 +1,6 @@
 """What benchmarks/bench_nanogpt.py compares, held without timing: the twin and
-configs/shakespeare-char.sx hold the same parameters, and how many executables a run of
-the config builds."""
+configs/shakespeare-char.sx hold the same parameters, how many executables a run of the
+config builds, and that its train step sums no gradient columns in XLA's windows."""
 
 import os
 import re
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, sexpgpu_cmd
+from conftest import ROOT, RUN_CPU_OPTIONS, sexpgpu_cmd
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -101,3 +101,39 @@ def test_the_warm_caches_are_filled_with_the_legs_own_step_count(monkeypatch):
   assert [n for n, _ in warm] == [300, 300, 300]  # the filling run, then each round's leg
   assert len({d for _, d in warm}) == 1
   assert sorted(n for n, d in calls if "cold" in os.path.basename(d)) == [1, 1]
+
+
+def _column_sums(hlo: str) -> list[str]:
+  """The reduce-windows of a compiled program that sum along leading axes and keep the last
+  (a column sum such as a bias gradient's: window 12x32x1 over [12, 64, 512])."""
+  out = []
+  for m in re.finditer(r"reduce-window\([^)]*\), window=\{size=([\dx]+)", hlo):
+    size = [int(s) for s in m.group(1).split("x")]
+    if len(size) > 1 and size[-1] == 1 and max(size[:-1]) > 1:
+      out.append(m.group(0))
+  return out
+
+
+@pytest.mark.slow  # compiles a train step
+def test_the_train_step_sums_no_gradient_columns_in_windows(text, monkeypatch):
+  # XLA's CPU backend runs a column sum over more than 32 rows as a strided windowed
+  # reduction (14% of this recipe's step); lower/broadcast.py takes them as ones · G
+  import dataclasses
+  import jax
+  from sexpgpu.lower import broadcast
+  from sexpgpu.lower.init import init_params
+  from sexpgpu.lower.step import init_state
+  from sexpgpu.run import training
+  from sexpgpu.run.compile import compile_file
+  c = compile_file(CONFIG, sets=[("text", text)], variant="smoke")
+
+  def step_hlo():
+    tr = training.build(c)
+    step = dataclasses.replace(tr.step(0, tr.k), platform="cpu")
+    opt, _ = tr.optimizer(0)
+    state = jax.eval_shape(lambda: init_state(init_params(tr.seed, c.params), opt))
+    batches = tr.abstract_batches("train", (tr.k,))
+    return step.lowered(state, batches).compile(RUN_CPU_OPTIONS).as_text()
+  assert _column_sums(step_hlo()) == []
+  monkeypatch.setattr(broadcast, "MIN_ROWS", 2**31)  # the plain rule: the test can fail
+  assert _column_sums(step_hlo())  # the layernorms' and the biases' gradients

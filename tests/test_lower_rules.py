@@ -8,6 +8,8 @@ import numpy as np
 
 import pytest
 
+from conftest import RUN_CPU_OPTIONS
+
 from sexpgpu.ir.ops import OPS, LowerCtx
 from sexpgpu.lower import broadcast
 from sexpgpu.run.backend import CPU_XLA_FLAGS
@@ -79,24 +81,19 @@ def test_the_cpu_broadcast_op_spreads_new_leading_axes():
   np.testing.assert_allclose(np.asarray(g), 2 * 48 * np.arange(48), rtol=1e-6)
 
 
-# a run's XLA CPU flag (run.backend.CPU_XLA_FLAGS) as one compile's option: this process may
-# have started its backend without it (XLA's default also hands reductions to YNNPACK)
-RUN_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
-
-
 def _bias_gradient_hlo(platform):
   """The compiled gradient of a bias over [12, 64, 512], under the run's XLA CPU options."""
   ctx = LowerCtx("f32", platform=platform)
   x = jax.ShapeDtypeStruct((12, 64, 512), jnp.float32)
   b = jax.ShapeDtypeStruct((512,), jnp.float32)
   f = lambda b, x: jnp.sum(jnp.tanh(lowering("+", platform)(ctx, x, b)))  # noqa: E731
-  return jax.jit(jax.grad(f)).lower(b, x).compile(RUN_OPTIONS).as_text()
+  return jax.jit(jax.grad(f)).lower(b, x).compile(RUN_CPU_OPTIONS).as_text()
 
 
 def test_cpu_bias_gradient_is_a_product_not_a_windowed_sum():
   # XLA's CPU backend sums the 768 rows of a plain bias gradient in windows of 32
   # (reduce-window), element by element; the CPU rule sums them as ones · G instead
-  assert CPU_XLA_FLAGS == "--xla_cpu_experimental_ynn_fusion_type=dot"  # RUN_OPTIONS's
+  assert CPU_XLA_FLAGS == "--xla_cpu_experimental_ynn_fusion_type=dot"  # RUN_CPU_OPTIONS's
   assert "reduce-window" in _bias_gradient_hlo(None)
   hlo = _bias_gradient_hlo("cpu")
   assert "reduce-window" not in hlo
