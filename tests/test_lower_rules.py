@@ -12,8 +12,8 @@ from conftest import RUN_CPU_OPTIONS
 
 from sexpgpu.ir.ops import OPS, LowerCtx
 from sexpgpu.lower import broadcast
-from sexpgpu.run.backend import CPU_XLA_FLAGS
 from sexpgpu.lower.rules import lowering, register_lowering, registered
+from sexpgpu.run.backend import CPU_XLA_FLAGS
 
 
 def _loss(platform):
