@@ -15,8 +15,10 @@ from stopping import stop_at
 pytestmark = pytest.mark.slow  # kill and resume at a random step
 
 EXP = os.path.join(ROOT, "configs", "mlm.sx")
-ARGS = ("--variant", "smoke", "--steps", "12", "--set", "batch-size=8", "--set", "seq=16",
-        "--set", "width=16", "--eval-every", "6", "--json")
+# 120 steps of ~2 ms: the signal, sent at a step from 3 to 9, finds the run still going (with
+# 12 steps every try of a CI run ended before it)
+ARGS = ("--variant", "smoke", "--steps", "120", "--set", "batch-size=8", "--set", "seq=16",
+        "--set", "width=16", "--eval-every", "60", "--json")
 
 
 def _run(tmp, *extra):
