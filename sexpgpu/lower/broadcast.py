@@ -77,7 +77,7 @@ def spread(x, shape: tuple):
 def _spreading(fn):
   """A broadcasting binary op whose broadcast operand is spread (above) first."""
   def rule(ctx, a, b):
-    if (isinstance(a, jax.Array | jax.core.Tracer) and isinstance(b, jax.Array | jax.core.Tracer)
+    if (isinstance(a, jax.Array) and isinstance(b, jax.Array)
         and a.shape != b.shape and a.dtype == b.dtype == jnp.float32):
       out = jnp.broadcast_shapes(a.shape, b.shape)
       a, b = spread(a, out), spread(b, out)
@@ -92,7 +92,7 @@ for _name, _fn in (("+", jnp.add), ("-", jnp.subtract), ("*", jnp.multiply),
 
 def broadcast_cpu(ctx, x, *, shape):
   """broadcast on the CPU: new leading axes whose gradient is summed as a product."""
-  if isinstance(x, jax.Array | jax.core.Tracer):
+  if isinstance(x, jax.Array):  # a tracer is one too
     return spread(x, shape)
   return OPS["broadcast"].lower(ctx, x, shape=shape)
 
