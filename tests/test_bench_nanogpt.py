@@ -84,6 +84,18 @@ def test_without_the_sexpgpu_script_the_legs_run_the_module(monkeypatch):
   assert r.returncode == 0 and "run" in r.stdout + r.stderr
 
 
+def test_the_header_names_the_processor_and_its_vector_units(tmp_path):
+  # the step's ratio to the twin depends on them (AVX-512: torch's products run faster)
+  import bench_nanogpt
+  info = tmp_path / "cpuinfo"
+  info.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_tile\n"
+                  "\nprocessor\t: 1\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_tile\n")
+  assert bench_nanogpt.processor(str(info)) == "Some Xeon (AVX2, AVX-512, AMX)"
+  info.write_text("model name\t: Old Core\nflags\t\t: fpu sse2\n")
+  assert bench_nanogpt.processor(str(info)) == "Old Core (no AVX2)"
+  assert bench_nanogpt.processor(str(tmp_path / "absent")) == ""
+
+
 def test_the_warm_caches_are_filled_with_the_legs_own_step_count(monkeypatch):
   # the legs' own run fills them: when `--steps N` was a constant of the compiled step a
   # one-step run filled them with another step, which round 1's warm leg then compiled

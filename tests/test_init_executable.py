@@ -57,28 +57,3 @@ def test_a_level_in_xla_flags_or_a_gpu_keeps_xla_s_options():
   assert init_options("cpu", "--xla_cpu_foo=1") == CPU_INIT_OPTIONS
   assert init_options("cpu", "--xla_backend_optimization_level=0") is None
   assert init_options("cuda", "") is None
-
-
-def test_a_pass_compiled_in_a_thread_is_the_executable_its_calls_use(tmp_path):
-  # PassStep.compile_soon compiles the pass in a thread (to overlap the train step's
-  # compile): the pass keeps that executable, and its numbers are the jitted pass's
-  import os
-  from sexpgpu.run.compile import compile_file
-  from sexpgpu.run.training import build
-  text = tmp_path / "input.txt"
-  text.write_text("".join(f"{'abcdefg'[i % 7] * (i % 5 + 1)} THE KING {i % 10}.\n"
-                          for i in range(300)))
-  config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "configs", "shakespeare-char.sx")
-  c = compile_file(config, variant="smoke", sets=[("text", str(text))])
-  training = build(c)
-  ps = training.pass_steps["eval"]
-  params = jax.jit(lambda: init_params(0, c.params))()
-  soon = ps.compile_soon(jax.eval_shape(lambda: params), training.abstract_batches("valid", ()))
-  executable = soon.result()
-  batch = c.loaders["valid"].batch(1)
-  assert ps._exec is executable
-  got = ps(params, batch, 1)
-  want = ps._fn(ps.platform_of(params, batch))(params, batch, np.int32(1))
-  assert {k: np.asarray(v).tobytes() for k, v in got.items()} == {
-      k: np.asarray(v).tobytes() for k, v in want.items()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -14,7 +13,6 @@ import optax
 
 from sexpgpu.ir.graph import Graph
 from sexpgpu.ir.ops import LowerCtx
-from sexpgpu.lower.init import in_thread
 from sexpgpu.lower.interp import run_graph
 
 REDUCE = {"mean": jnp.mean, "max": jnp.max, "min": jnp.min, "sum": jnp.sum,
@@ -481,19 +479,6 @@ class PassStep:
     self._exec = self._fn(self.platform_of(params, batch)).lower(params, batch,
                                                                  index).compile()
     return self._exec
-
-  def compile_soon(self, params, batch) -> concurrent.futures.Future:
-    """Lowers the pass now and compiles it in a thread of its own, so that it can build while
-    the caller compiles the train step (13–17% off the two compiles' wall time on a quiet
-    2-core machine, slower on a loaded one: benchmarks/README.md, bench_nanogpt). The
-    future's result is the executable, which later calls use once it is done."""
-    index = jax.ShapeDtypeStruct((), jnp.int32)
-    lowered = self._fn(self.platform_of(params, batch)).lower(params, batch, index)
-
-    def build():
-      self._exec = lowered.compile()
-      return self._exec
-    return in_thread("sexpgpu-pass", build)
 
   def lowered_for_cuda(self, params, batch):
     """The pass as a CUDA run lowers it, on any machine: the jax Lowered."""
