@@ -140,14 +140,15 @@ def processor(cpuinfo: str = "/proc/cpuinfo") -> str:
   [768, 128] x [128, n] shapes about twice as fast as XLA's (benchmarks/README.md).
   """
   try:
-    with open(cpuinfo) as f:
-      info = f.read()
+    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+      lines = f.read().splitlines()
   except OSError:
     return ""
-  model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                if line.startswith("model name")), "")
-  flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines()
-                    if line.startswith("flags")), []))
+
+  def first(key: str) -> str:  # the first processor's value (all list the same)
+    return next((line.split(":", 1)[1].strip() for line in lines
+                 if line.startswith(key) and ":" in line), "")
+  model, flags = first("model name"), set(first("flags").split())
   units = [u for u, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile"))
            if flag in flags]
   return f"{model} ({', '.join(units) or 'no AVX2'})" if model else ""

@@ -94,6 +94,8 @@ def test_the_header_names_the_processor_and_its_vector_units(tmp_path):
   info.write_text("model name\t: Old Core\nflags\t\t: fpu sse2\n")
   assert bench_nanogpt.processor(str(info)) == "Old Core (no AVX2)"
   assert bench_nanogpt.processor(str(tmp_path / "absent")) == ""
+  info.write_bytes(b"\xff\xfe\x00model name\n")  # not text, no value: nothing to name
+  assert bench_nanogpt.processor(str(info)) == ""
 
 
 def test_the_warm_caches_are_filled_with_the_legs_own_step_count(monkeypatch):
