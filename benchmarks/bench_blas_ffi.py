@@ -191,6 +191,8 @@ def main() -> None:
   for hidden in ("--leg", "--lib", "--text", "--metrics"):
     ap.add_argument(hidden, help=argparse.SUPPRESS)
   args = ap.parse_args()
+  if args.rounds < 1 or args.steps < 5:
+    ap.error("--rounds must be at least 1 and --steps at least 5 (the periods after step 2)")
   sys.path.insert(0, ROOT)
   if args.leg:
     sys.exit(leg(args))
@@ -200,11 +202,14 @@ def main() -> None:
              f"{args.data}")
   from sexpgpu.run.backend import cpu_flags
   cpu_flags()  # the run's XLA flags, for the products too
-  with tempfile.TemporaryDirectory() as tmp:
-    lib = build(tmp)
-    print(f"bench_blas_ffi: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
-    products(register(lib)[0])
-    step_ab(lib, text, args.rounds, args.steps, tmp)
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      lib = build(tmp)
+      print(f"bench_blas_ffi: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+      products(register(lib)[0])
+      step_ab(lib, text, args.rounds, args.steps, tmp)
+  except KeyboardInterrupt:  # the child run stops on the same Ctrl-C
+    sys.exit("bench_blas_ffi: interrupted; nothing measured is printed past this point")
 
 
 if __name__ == "__main__":
