@@ -184,6 +184,8 @@ def main(argv=None) -> None:
     p.error("--rounds and --reps take 1 or more")
   if any(c < 1 or c > len(usable) for c in cores):
     p.error(f"--cores: this process may use {len(usable)} core(s), asked for {args.cores}")
+  if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+    p.error(f"--json: the folder of {args.json} does not exist")
   legs = args.legs.split(",")
   if not legs or any(leg not in LEGS for leg in legs):
     p.error(f"--legs takes some of {','.join(LEGS)}")

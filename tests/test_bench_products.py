@@ -48,7 +48,8 @@ def test_a_wrong_product_stops_the_benchmark(monkeypatch):
 @pytest.mark.parametrize("argv, says", [(["--cores", "0"], "--cores"),
                                         (["--cores", "1,x"], "--cores takes counts"),
                                         (["--rounds", "0"], "--rounds and --reps"),
-                                        (["--legs", "jax"], "--legs takes")])
+                                        (["--legs", "jax"], "--legs takes"),
+                                        (["--json", "/no/such/folder/x.json"], "--json")])
 def test_bad_flags_are_refused_by_the_parser(argv, says, capsys):
   with pytest.raises(SystemExit) as e:
     bench_products.main(argv)
