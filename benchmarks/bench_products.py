@@ -59,36 +59,30 @@ def operands(k: int, n: int, seed: int = 0):
   return f(TOKENS, k), f(k, n), f(TOKENS, n)
 
 
-def chain_numpy(form: str, a, w, g):
-  """The chain's products in float64: the reference."""
-  import numpy as np
-  a, w, g = a.astype(np.float64), w.astype(np.float64), g.astype(np.float64)
+def chain(form: str, a, w, g) -> list:
+  """The chain's products in `form`; NumPy arrays, JAX's (traced) or PyTorch's tensors."""
   out, prev = [], None
   for i in range(CHAIN):
-    x = (a if form != "G·Wᵀ" else g)[i]
+    x = (g if form == "G·Wᵀ" else a)[i]
     x = x if prev is None else x + prev[0, 0]
     prev = x @ w[i] if form == "A·W" else x @ w[i].T if form == "G·Wᵀ" else x.T @ g[i]
     out.append(prev)
   return out
 
 
+def chain_numpy(form: str, a, w, g) -> list:
+  """The chain's products in float64: the reference."""
+  import numpy as np
+  return chain(form, *(v.astype(np.float64) for v in (a, w, g)))
+
+
 def leg_xla(form: str, a, w, g):
   """(a call that runs the chain and waits, its products) in one XLA executable."""
+  import functools
   import jax
   import jax.numpy as jnp
-
-  def chain(a, w, g):
-    out, prev = [], None
-    for i in range(CHAIN):
-      x = (a if form != "G·Wᵀ" else g)[i]
-      x = x if prev is None else x + prev[0, 0]
-      prev = (x @ w[i] if form == "A·W" else x @ w[i].T if form == "G·Wᵀ"
-              else x.T @ g[i])
-      out.append(prev)
-    return out
-
   args = [jnp.asarray(v) for v in (a, w, g)]
-  fn = jax.jit(chain).lower(*args).compile()
+  fn = jax.jit(functools.partial(chain, form)).lower(*args).compile()
   return lambda: jax.block_until_ready(fn(*args)), [jax.device_get(o) for o in fn(*args)]
 
 
@@ -97,17 +91,11 @@ def leg_torch(form: str, a, w, g):
   import torch
   a, w, g = (torch.from_numpy(v) for v in (a, w, g))
 
-  def chain():
+  def call():
     with torch.no_grad():
-      out, prev = [], None
-      for i in range(CHAIN):
-        x = (a if form != "G·Wᵀ" else g)[i]
-        x = x if prev is None else x + prev[0, 0]
-        prev = x @ w[i] if form == "A·W" else x @ w[i].T if form == "G·Wᵀ" else x.T @ g[i]
-        out.append(prev)
-      return out
+      return chain(form, a, w, g)
 
-  return chain, [o.numpy() for o in chain()]
+  return call, [o.numpy() for o in call()]
 
 
 def child(leg: str, cores: int, reps: int) -> dict:
