@@ -102,8 +102,9 @@ def register(lib_path: str):
   return blas_matmul, rule
 
 
-def _median_us(fn, calls: int = 200) -> float:
-  for _ in range(10):
+def median_us(fn, calls: int = 200, warm: int = 10) -> float:
+  """The median of `calls` timed calls of fn, after `warm` untimed ones, in µs."""
+  for _ in range(warm):
     fn()
   times = []
   for _ in range(calls):
@@ -137,9 +138,9 @@ def products(blas_matmul) -> None:
     ffi_wg = jax.jit(lambda a, g: [blas_matmul(a * (i + 1), g, ta=True) for i in range(8)])
     diff = float(jnp.abs(xla_fwd(a, ws, vs) - ffi_fwd(a, ws, vs)).max())
     diff = max([diff] + [float(jnp.abs(x - y).max()) for x, y in zip(xla_wg(a, g), ffi_wg(a, g))])
-    row = [_median_us(lambda f=f: jax.block_until_ready(f(a, ws, vs))) / 16
+    row = [median_us(lambda f=f: jax.block_until_ready(f(a, ws, vs))) / 16
            for f in (xla_fwd, ffi_fwd)]
-    row += [_median_us(lambda f=f: jax.block_until_ready(f(a, g))) / 8 for f in (xla_wg, ffi_wg)]
+    row += [median_us(lambda f=f: jax.block_until_ready(f(a, g))) / 8 for f in (xla_wg, ffi_wg)]
     print(f"  [{TOKENS}, {k}] x [{k}, {n}]  A·W XLA {row[0]:6.0f}  BLAS {row[1]:6.0f}   "
           f"Aᵀ·G XLA {row[2]:6.0f}  BLAS {row[3]:6.0f}   max |difference| {diff:.1e}")
 

@@ -34,7 +34,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -101,6 +100,7 @@ def leg_torch(form: str, a, w, g):
 def child(leg: str, cores: int, reps: int) -> dict:
   """µs a product for each weight shape and form, in this process (pinned already)."""
   import numpy as np
+  from bench_blas_ffi import median_us
   if leg == "torch":
     import torch
     torch.set_num_threads(cores)
@@ -116,14 +116,7 @@ def child(leg: str, cores: int, reps: int) -> dict:
       if err > 1e-3:
         raise SystemExit(f"bench_products: {leg} {form} [{k}, {n}] differs from NumPy's "
                          f"float64 products by {err:.2e}")
-      for _ in range(5):
-        call()
-      times = []
-      for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-      out[f"{k}x{n} {form}"] = statistics.median(times) / CHAIN * 1e6
+      out[f"{k}x{n} {form}"] = median_us(call, reps, warm=5) / CHAIN
   return out
 
 
